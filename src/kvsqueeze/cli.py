@@ -1,0 +1,56 @@
+"""`kvsqueeze` command line: a thin dispatcher.
+
+Each sub-command lives in ``kvsqueeze.commands.<module>`` with ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so ``kvsqueeze --help`` stays fast.  A ``ValueError`` raised
+by a command (bad input) becomes a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command name -> (module under kvsqueeze.commands, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("generate", "generate text with a quantized KV cache and report its size"),
+    "ppl": ("ppl", "perplexity of a KV-cache preset on a corpus"),
+    "retrieval": ("retrieval", "passkey retrieval accuracy over context lengths and depths"),
+    "speed": ("speed", "prefill time, decode ms/token and memory of a preset"),
+    "bench": ("bench", "the main job: quality, retrieval, speed and memory of every preset and peer"),
+    "static-generate": ("static_generate", "greedy generation on ONNX Runtime through the static-shape KV manager"),
+    "presets": ("presets", "list the named presets and their bits per element"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsqueeze", description="Small and fast quantized KV caches.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        _load(module).add_arguments(p)
+    return parser
+
+
+def _load(module: str):
+    return importlib.import_module(f"kvsqueeze.commands.{module}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(_load(args._module).run(args) or 0)
+    except ValueError as exc:  # bad input: one clear line, exit code 2
+        print(f"kvsqueeze {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

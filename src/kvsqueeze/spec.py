@@ -1,0 +1,257 @@
+"""Frozen descriptions of how keys and values are stored, and the named presets.
+
+A :class:`QuantSpec` says how one tensor kind (keys or values) is quantized; a :class:`CacheSpec` pairs a key
+spec with a value spec and adds the full-precision window and the attention-sink tokens.  Everything is
+validated when the object is built, so a bad setting fails before any cache memory is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+INT_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+PACKABLE_BITS = (1, 2, 3, 4, 8)  # bit widths with a dense uint8 packing; others are stored one code per byte
+FORMATS = ("none", "int", "fp8-e4m3", "fp8-e5m2")
+AXES = ("token", "channel")
+PARAM_DTYPES = ("fp32", "fp16", "bf16", "fp8-e4m3")
+FP8_SCALES = ("tensor", "head", "token")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one of keys or values is stored.
+
+    fmt:          "int" (integer codes), "fp8-e4m3" / "fp8-e5m2" (scaled float8), or "none" (full precision).
+    bits:         1-8 for "int"; ignored otherwise.
+    axis:         "token"  - parameters per token, a group spans ``group`` consecutive channels of one token
+                             (transformers' layout, KIVI's values);
+                  "channel" - parameters per channel, a group spans ``group`` consecutive tokens of one channel
+                             (KIVI's keys).  Tokens are then quantized ``group`` at a time.
+    group:        group size along the grouped axis; ``None`` means the whole head_dim for axis="token".
+                  Required for axis="channel".
+    symmetric:    absmax (codes centred on zero, no zero-point stored) instead of min/max with a zero-point.
+    clip:         clipping ratio alpha in (0, 1]: the range used is alpha times the group's range (SKVQ).
+    param_dtype:  storage dtype of scales and zero-points ("fp8-e4m3" as SKVQ does).
+    fp8_scale:    for fp8 formats, scale granularity: per "tensor" (one per layer), "head" or "token".
+    """
+
+    fmt: str = "int"
+    bits: int = 8
+    axis: str = "token"
+    group: int | None = None
+    symmetric: bool = False
+    clip: float = 1.0
+    param_dtype: str = "fp16"
+    fp8_scale: str = "token"
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown format {self.fmt!r}; allowed: {', '.join(FORMATS)}")
+        if self.fmt == "int" and self.bits not in INT_BITS:
+            raise ValueError(f"unsupported bits {self.bits!r}; allowed: {', '.join(map(str, INT_BITS))}")
+        if self.axis not in AXES:
+            raise ValueError(f"unknown axis {self.axis!r}; allowed: {', '.join(AXES)}")
+        if self.group is not None and (not isinstance(self.group, int) or self.group < 1):
+            raise ValueError(f"group size must be a positive integer or None, got {self.group!r}")
+        if self.fmt == "int" and self.axis == "channel" and self.group is None:
+            raise ValueError("axis='channel' needs a token group size (e.g. group=32, as KIVI uses)")
+        if not (0.0 < self.clip <= 1.0):
+            raise ValueError(f"clip ratio must be in (0, 1], got {self.clip!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"unknown param_dtype {self.param_dtype!r}; allowed: {', '.join(PARAM_DTYPES)}")
+        if self.fp8_scale not in FP8_SCALES:
+            raise ValueError(f"unknown fp8_scale {self.fp8_scale!r}; allowed: {', '.join(FP8_SCALES)}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "none"
+
+    @property
+    def token_group(self) -> int:
+        """How many tokens must be present before they can be quantized together (1 for per-token layouts)."""
+        return self.group if (self.fmt == "int" and self.axis == "channel") else 1
+
+    def channel_group(self, head_dim: int) -> int:
+        """Channels sharing one scale (per-token layout), checked against head_dim."""
+        g = head_dim if self.group is None else self.group
+        if head_dim % g:
+            raise ValueError(f"group size {g} does not divide head_dim {head_dim}; use a divisor of {head_dim}")
+        return g
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError when this spec cannot store vectors of ``head_dim`` channels."""
+        if self.fmt == "int":
+            if self.axis == "token":
+                self.channel_group(head_dim)
+            if self.bits == 3 and head_dim % 8:
+                raise ValueError(f"3-bit codes are packed 8 per 3 bytes; head_dim {head_dim} is not a multiple of 8")
+            if self.bits in (1, 2, 4) and head_dim % (8 // self.bits):
+                raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {8 // self.bits}")
+
+    def label(self) -> str:
+        if self.fmt == "none":
+            return "fp"
+        if self.fmt != "int":
+            return f"{self.fmt}/{self.fp8_scale}"
+        g = "all" if self.group is None else str(self.group)
+        sym = "s" if self.symmetric else "a"
+        clip = "" if self.clip == 1.0 else f"c{self.clip:g}"
+        return f"int{self.bits}{sym}/{self.axis}{g}{clip}/{self.param_dtype}"
+
+
+FULL = QuantSpec(fmt="none")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Key spec, value spec, the full-precision window of recent tokens and the attention sinks.
+
+    window:  at least this many of the most recent tokens stay in full precision.  Tokens are moved out of the
+             window ``flush_tokens`` at a time (the key token-group for per-channel keys), so the window holds
+             between ``window`` and ``window + flush_tokens - 1`` tokens once the cache is long enough.
+    sinks:   the first ``sinks`` tokens are never quantized (attention sinks).
+    quantize_sliding: whether sliding-window layers are quantized too (they are bounded, so default False).
+    block_tokens: storage grows by preallocated blocks of this many tokens (a multiple of flush_tokens).
+    """
+
+    key: QuantSpec = FULL
+    value: QuantSpec = FULL
+    window: int = 0
+    sinks: int = 0
+    quantize_sliding: bool = False
+    block_tokens: int = 256
+    name: str = "custom"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        for what, v in (("window", self.window), ("sinks", self.sinks)):
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+        f = self.flush_tokens
+        if self.window % f:
+            raise ValueError(
+                f"window {self.window} is not a multiple of the key/value token group {f}; "
+                f"use one of {', '.join(str(f * k) for k in range(0, 5))}, ..."
+            )
+        if self.block_tokens < 1 or self.block_tokens % f:
+            raise ValueError(f"block_tokens {self.block_tokens} must be a positive multiple of {f}")
+        if self.key.token_group > 1 and self.value.token_group > 1 and self.key.token_group != self.value.token_group:
+            raise ValueError("keys and values grouped along tokens must use the same token group size")
+
+    @property
+    def flush_tokens(self) -> int:
+        """Tokens leave the window this many at a time (and are quantized exactly once, together)."""
+        return max(self.key.token_group, self.value.token_group)
+
+    @property
+    def quantized(self) -> bool:
+        return self.key.quantized or self.value.quantized
+
+    def quantized_count(self, n_tokens: int) -> int:
+        """How many tokens (after the sinks) are stored quantized once ``n_tokens`` tokens have been committed.
+
+        The same formula holds whether tokens came in one prefill or one at a time, which is what makes the
+        cache deterministic and lets perplexity protocols reproduce it exactly.
+        """
+        if not self.quantized:
+            return 0
+        f = self.flush_tokens
+        return max(0, n_tokens - self.sinks - self.window) // f * f
+
+    def check_head_dim(self, head_dim: int) -> None:
+        self.key.check_head_dim(head_dim)
+        self.value.check_head_dim(head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
+        d = dict(d)
+        d["key"] = QuantSpec(**d.get("key", {}))
+        d["value"] = QuantSpec(**d.get("value", {}))
+        return cls(**d)
+
+    def label(self) -> str:
+        extra = f" window={self.window} sinks={self.sinks}" if (self.window or self.sinks) else ""
+        return f"K[{self.key.label()}] V[{self.value.label()}]{extra}"
+
+
+def _kivi(bits: int, window: int = 128, sinks: int = 0, name: str = "") -> CacheSpec:
+    return CacheSpec(
+        key=QuantSpec(fmt="int", bits=bits, axis="channel", group=32),
+        value=QuantSpec(fmt="int", bits=bits, axis="token", group=32),
+        window=window,
+        sinks=sinks,
+        name=name or f"kivi-{bits}",
+    )
+
+
+def _per_token(bits: int, group: int = 64, window: int = 128, name: str = "") -> CacheSpec:
+    q = QuantSpec(fmt="int", bits=bits, axis="token", group=group)
+    return CacheSpec(key=q, value=q, window=window, name=name or f"int{bits}")
+
+
+def _fp8(fmt: str, name: str) -> CacheSpec:
+    q = QuantSpec(fmt=fmt, fp8_scale="token")
+    return CacheSpec(key=q, value=q, window=0, name=name)
+
+
+PRESETS: dict[str, CacheSpec] = {
+    "full": CacheSpec(name="full"),
+    "int8": _per_token(8, group=64, window=0, name="int8"),
+    "fp8-e4m3": _fp8("fp8-e4m3", "fp8-e4m3"),
+    "fp8-e5m2": _fp8("fp8-e5m2", "fp8-e5m2"),
+    # transformers' QuantizedCache layout: both per-token, groups of 64, residual window 128
+    "int4": _per_token(4, name="int4"),
+    "int2": _per_token(2, name="int2"),
+    "kivi-4": _kivi(4),
+    "kivi-3": _kivi(3),
+    "kivi-2": _kivi(2),
+    "kivi-4-sink4": _kivi(4, sinks=4, name="kivi-4-sink4"),
+    "kivi-3-sink4": _kivi(3, sinks=4, name="kivi-3-sink4"),
+    "kivi-2-sink4": _kivi(2, sinks=4, name="kivi-2-sink4"),
+}
+
+_SPEC_RE = re.compile(r"^k(?P<kb>\d)(?P<kax>[tc])(?P<kg>\d+)?-v(?P<vb>\d)(?P<vax>[tc])(?P<vg>\d+)?"
+                      r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?$")
+
+
+def preset(name: str | CacheSpec | dict) -> CacheSpec:
+    """Return the :class:`CacheSpec` for a preset name, a spec string, a dict or a CacheSpec.
+
+    Spec strings describe anything not in the table: ``k2c32-v2t32-w128-s4`` means 2-bit keys per channel over
+    32-token groups, 2-bit values per token in 32-channel groups, a 128-token window and 4 sinks.  A JSON object
+    (string starting with ``{``) is read with :meth:`CacheSpec.from_dict`.
+    """
+    if isinstance(name, CacheSpec):
+        return name
+    if isinstance(name, dict):
+        return CacheSpec.from_dict(name)
+    if not isinstance(name, str):
+        raise ValueError(f"a preset is a name, a spec string or a CacheSpec, not {type(name).__name__}")
+    if name in PRESETS:
+        return PRESETS[name]
+    if name.lstrip().startswith("{"):
+        return CacheSpec.from_dict(json.loads(name))
+    m = _SPEC_RE.match(name)
+    if m:
+        def side(b: str, ax: str, g: str | None) -> QuantSpec:
+            return QuantSpec(fmt="int", bits=int(b), axis="channel" if ax == "c" else "token",
+                             group=int(g) if g else None)
+
+        return CacheSpec(
+            key=side(m["kb"], m["kax"], m["kg"]),
+            value=side(m["vb"], m["vax"], m["vg"]),
+            window=int(m["w"] or 0),
+            sinks=int(m["s"] or 0),
+            name=name,
+        )
+    raise ValueError(
+        f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}, or a spec string like 'k2c32-v2t32-w128-s4'"
+    )
