@@ -1,0 +1,33 @@
+"""kvsqueeze: small and fast quantized KV caches for transformer language models.
+
+    import kvsqueeze
+    model, tok = kvsqueeze.load_model()                      # the embedded SmolLM2-135M
+    cache = kvsqueeze.QuantizedCache(model.config, "kivi-2")
+    model.generate(**tok("Hello", return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
+    print(cache.nbytes().summary())
+
+Heavy modules (torch, transformers) are imported on first use of the names that need them.
+"""
+
+from __future__ import annotations
+
+from .spec import PRESETS, CacheSpec, QuantSpec, preset
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "QuantizedCache": ("kvsqueeze.cache.hf_adapter", "QuantizedCache"),
+    "KVBytes": ("kvsqueeze.cache.hf_adapter", "KVBytes"),
+    "load_model": ("kvsqueeze.models", "load_model"),
+}
+
+__all__ = ["PRESETS", "CacheSpec", "QuantSpec", "preset", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'kvsqueeze' has no attribute {name!r}")

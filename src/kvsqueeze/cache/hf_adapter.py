@@ -1,0 +1,280 @@
+"""The one module that touches transformers' internals.
+
+* :class:`QuantizedCache` is a ``transformers.Cache`` whose layers wrap :class:`~kvsqueeze.cache.layer.LayerKV`.
+  ``update`` only stages the step's new K/V and returns them tagged with their layer; the attention function
+  registered here as ``"kvsqueeze"`` recognises the tag and attends over the packed cache chunk by chunk.
+* Attention and mask functions are registered together: the mask side is transformers' SDPA mask (boolean,
+  sliding-window aware), so sliding layers get their sliding mask rather than a plain causal one.
+* Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so switching a model's
+  ``_attn_implementation`` to ``"kvsqueeze"`` never changes its results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+
+from ..kernels.reference import attend_segments
+from ..spec import CacheSpec, preset
+from .layer import LayerKV
+
+ATTN_NAME = "kvsqueeze"
+_TAG = "_kvsqueeze_layer"
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# ---------------------------------------------------------------------------------------------- model layout
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+
+
+def kv_layout(config) -> KVLayout:
+    """Read the attention layout the cache must serve; ValueError for layouts it cannot."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    types, kwargs = get_layer_types_and_kwargs(text)
+    bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+    if bad:
+        raise ValueError(f"this model has attention layers of type {', '.join(bad)}; kvsqueeze's cache serves "
+                         f"{', '.join(SUPPORTED_LAYER_TYPES)}")
+    if getattr(text, "v_head_dim", None) not in (None, head_dim) or getattr(text, "kv_lora_rank", None):
+        raise ValueError("models with compressed or differently sized value heads (MLA) are not supported; "
+                         "allowed: standard multi-head, grouped-query and multi-query attention")
+    sw = next((kw.get("sliding_window") for t, kw in zip(types, kwargs) if t == "sliding_attention"), None)
+    return KVLayout(text.num_hidden_layers, heads, kv_heads, head_dim, tuple(types), sw)
+
+
+# ---------------------------------------------------------------------------------------------- attention
+def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs):
+    layer: LayerKV | None = getattr(key, _TAG, None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    try:
+        if layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
+            out = _attend_new_only(query, key, value, attention_mask, scaling)
+        else:
+            out = attend_segments(query, layer.segments(), attention_mask, scaling,
+                                  kv_offset=layer.first_visible, query_start=layer.n_total)
+    except BaseException:
+        layer.pending = None  # a failed step leaves the cache as it was before the step
+        raise
+    layer.commit()
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_new_only(query, key, value, mask, scaling):
+    """Nothing stored yet (a prompt): exact attention among the new tokens with torch's SDPA."""
+    causal = mask is None and query.shape[2] > 1
+    if mask is not None:
+        mask = mask[..., -key.shape[2]:]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register the attention function and its mask function with transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTN_NAME, kvsqueeze_attention)
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+        _registered = True
+
+
+def use_kvsqueeze_attention(config) -> None:
+    """Route a model's attention through kvsqueeze (results unchanged for K/V that are not ours)."""
+    register()
+    text = config.get_text_config(decoder=True)
+    for cfg in {id(config): config, id(text): text}.values():
+        if cfg._attn_implementation != ATTN_NAME:
+            cfg._attn_implementation = ATTN_NAME
+
+
+@contextlib.contextmanager
+def attention_override(model, fn: Callable) -> Iterator[None]:
+    """Temporarily make ``model`` call ``fn`` (transformers' attention signature) in every attention layer.
+
+    The mask passed to ``fn`` is SDPA's boolean mask (True = attend) or None for a plain causal pattern.
+    Used by evaluation protocols that emulate a cache inside one forward pass.
+    """
+    name = f"kvsqueeze-override-{id(fn)}"
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    configs = {id(model.config): model.config, id(model.config.get_text_config(decoder=True)):
+               model.config.get_text_config(decoder=True)}
+    saved = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = name
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = saved[k]
+
+
+# ---------------------------------------------------------------------------------------------- cache
+class _HFLayer(CacheLayerMixin):
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, spec: CacheSpec, sliding_window: int | None):
+        super().__init__()
+        self.spec, self.sliding_window = spec, sliding_window
+        self.is_sliding = sliding_window is not None
+        self.kv = LayerKV(spec, sliding_window)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.kv.stage(key_states, value_states)
+        self.is_initialized = True
+        tagged = key_states.view_as(key_states)
+        setattr(tagged, _TAG, self.kv)
+        return tagged, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.mask_sizes(query_length)
+
+    def get_seq_length(self) -> int:
+        return self.kv.seq_length()
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    def reset(self) -> None:
+        self.kv = LayerKV(self.spec, self.sliding_window)
+        self.is_initialized = False
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove (as transformers' DynamicLayer)")
+        if tokens_to_remove:
+            self.kv.crop(max(0, self.kv.seq_length() + tokens_to_remove))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.kv.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.kv.store is not None:
+            idx = torch.arange(self.kv.shape[0] // repeats).repeat_interleave(repeats)
+            self.kv.select_codec_batch(idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.kv.shape is None:
+            return
+        idx = torch.as_tensor(indices)
+        if idx.dtype == torch.bool:
+            idx = idx.nonzero().flatten()
+        dev = self.kv.store.device
+        self.kv.map_batch(lambda t: t.index_select(0, idx.to(dev)))
+        self.kv.select_codec_batch(idx.to(dev))
+
+    def offload(self):  # storage lives where the model runs; offloading is not implemented for packed blocks
+        pass
+
+    def prefetch(self):
+        pass
+
+
+@dataclass(frozen=True)
+class KVBytes:
+    """Exact bytes held by the cache, split by kind, and bits per element including every scale and zero."""
+
+    codes: int
+    params: int
+    full_precision: int
+    allocated: int
+    elements: int
+    quantized_elements: int
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.params + self.full_precision
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.total / self.elements if self.elements else float("nan")
+
+    @property
+    def quantized_bits_per_element(self) -> float:
+        """Bits per element of the quantized part only (codes + scales/zeros over quantized elements)."""
+        return 8 * (self.codes + self.params) / self.quantized_elements if self.quantized_elements else float("nan")
+
+    def summary(self) -> str:
+        q = self.quantized_bits_per_element
+        qtxt = f", quantized part {q:.3f} bits/element" if q == q else ""
+        return (f"KV cache {self.total / 2**20:.2f} MiB (codes {self.codes / 2**20:.2f}, scales/zeros "
+                f"{self.params / 2**20:.2f}, full precision {self.full_precision / 2**20:.2f}) = "
+                f"{self.bits_per_element:.3f} bits/element overall{qtxt}")
+
+
+class QuantizedCache(Cache):
+    """A quantized KV cache for transformers models.
+
+    ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
+    forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Creating
+    the cache routes the model's attention through kvsqueeze (outputs of runs without this cache are unchanged).
+    """
+
+    def __init__(self, config, spec: str | CacheSpec = "kivi-4"):
+        spec = preset(spec)
+        layout = kv_layout(config)
+        spec.check_head_dim(layout.head_dim)  # bad settings fail before anything is allocated
+        self.spec, self.layout, self._config = spec, layout, config
+        layers = []
+        for t in layout.layer_types:
+            if t == "sliding_attention":
+                lspec = spec if spec.quantize_sliding else CacheSpec(name="full", block_tokens=spec.block_tokens)
+                # sinks are masked out of a sliding window anyway; they would only cost memory
+                if lspec.sinks:
+                    lspec = CacheSpec(key=lspec.key, value=lspec.value, window=lspec.window, sinks=0,
+                                      quantize_sliding=True, block_tokens=lspec.block_tokens, name=lspec.name)
+                layers.append(_HFLayer(lspec, layout.sliding_window))
+            else:
+                layers.append(_HFLayer(spec, None))
+        super().__init__(layers=layers)
+        use_kvsqueeze_attention(config)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        impl = self._config.get_text_config(decoder=True)._attn_implementation
+        if impl != ATTN_NAME:
+            raise RuntimeError(f"the model's attention implementation was changed to {impl!r} after the kvsqueeze "
+                               f"cache was created; kvsqueeze's cache needs its own attention function "
+                               f"('{ATTN_NAME}')")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def nbytes(self) -> KVBytes:
+        tot = {"codes": 0, "params": 0, "fp": 0, "allocated": 0, "elements": 0, "quantized_elements": 0}
+        for layer in self.layers:
+            for k, v in layer.kv.nbytes().items():
+                tot[k] += v
+        return KVBytes(tot["codes"], tot["params"], tot["fp"], tot["allocated"], tot["elements"],
+                       tot["quantized_elements"])
+
+    def __repr__(self) -> str:
+        return f"kvsqueeze.QuantizedCache({self.spec.name}: {self.spec.label()}, layers={len(self.layers)})"

@@ -1,0 +1,77 @@
+"""Reference attention over a segmented KV cache, one chunk at a time (online softmax / log-sum-exp merge).
+
+Segments are (absolute start, keys, values, is_new) in token order, as yielded by ``LayerKV.segments``: sinks,
+decoded history blocks, the window, and the new tokens of this step.  Only one segment's scores exist at a
+time, so no full-precision copy of the whole history is ever built.  Every fast kernel is tested against this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def attend_segments(
+    query: torch.Tensor,
+    segments: Iterable[tuple[int, torch.Tensor, torch.Tensor, bool]],
+    mask: torch.Tensor | None,
+    scaling: float,
+    kv_offset: int = 0,
+    query_start: int | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over the segments; returns [B, Hq, Lq, D] in the query's dtype.
+
+    mask:        bool [B or 1, 1, Lq, kv_len] (True = attend) or an additive float mask, whose columns are
+                 absolute positions minus ``kv_offset``; or None, meaning every stored token is visible and the
+                 new tokens are causal among themselves.
+    query_start: absolute position of the first query (needed only when mask is None).
+    """
+    b, hq, lq, d = query.shape
+    q = None
+    m = l_ = acc = None
+    rep = 1
+    for start, k, v, is_new in segments:
+        if q is None:
+            rep = hq // k.shape[1]
+            # group query heads by KV head: [B, Hkv, rep*Lq, D]
+            q = query.float().reshape(b, k.shape[1], rep * lq, d)
+            m = torch.full((b, k.shape[1], rep * lq, 1), NEG_INF, device=query.device)
+            l_ = torch.zeros_like(m)
+            acc = torch.zeros((b, k.shape[1], rep * lq, v.shape[-1]), device=query.device)
+        n = k.shape[2]
+        if n == 0:
+            continue
+        s = torch.matmul(q, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, rep*Lq, n]
+        bias = _segment_mask(mask, start - kv_offset, n, b, rep, lq, is_new, start, query_start, query.device)
+        if bias is not None:
+            s = s.masked_fill(~bias, NEG_INF) if bias.dtype == torch.bool else s + bias
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # fully masked rows stay zero
+        p = torch.exp(s - safe)
+        corr = torch.exp(m - safe)
+        l_ = l_ * corr + p.sum(dim=-1, keepdim=True)
+        acc = acc * corr + torch.matmul(p, v.float())
+        m = m_new
+    if q is None:
+        raise ValueError("attention over an empty cache with no new tokens")
+    out = acc / l_.clamp_min(1e-30)
+    return out.reshape(b, hq, lq, -1).to(query.dtype)
+
+
+def _segment_mask(mask, col, n, b, rep, lq, is_new, start, query_start, device):
+    """The mask block for one segment, shaped to broadcast against [B, Hkv, rep*Lq, n]."""
+    if mask is not None:
+        blk = mask[:, :, :, col:col + n]  # [B|1, 1, Lq, n]
+        if rep > 1:
+            blk = blk.unsqueeze(2).expand(blk.shape[0], 1, rep, lq, n).reshape(blk.shape[0], 1, rep * lq, n)
+        return blk
+    if not is_new or lq == 1:
+        return None
+    # mask None: new tokens are causal among themselves (queries are the new tokens, bottom-right aligned)
+    qpos = torch.arange(lq, device=device) + (query_start if query_start is not None else start)
+    kpos = torch.arange(n, device=device) + start
+    causal = (kpos[None, :] <= qpos[:, None])  # [Lq, n]
+    return causal.repeat(rep, 1).view(1, 1, rep * lq, n)
