@@ -23,13 +23,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """All sub-commands are listed; only ``command``'s module is imported to add its arguments."""
     parser = argparse.ArgumentParser(prog="kvsqueeze", description="Small and fast quantized KV caches.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        _load(module).add_arguments(p)
+        if name == command:
+            _load(module).add_arguments(p)
     return parser
 
 
@@ -38,7 +40,8 @@ def _load(module: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()

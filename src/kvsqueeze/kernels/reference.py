@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 NEG_INF = float("-inf")
+MAX_COLUMNS = 1024  # a long segment (e.g. a prompt's own tokens) is scored this many keys at a time
 
 
 def attend_segments(
@@ -33,7 +34,7 @@ def attend_segments(
     q = None
     m = l_ = acc = None
     rep = 1
-    for start, k, v, is_new in segments:
+    for start, k, v, is_new in _split(segments):
         if q is None:
             rep = hq // k.shape[1]
             # group query heads by KV head: [B, Hkv, rep*Lq, D]
@@ -61,6 +62,12 @@ def attend_segments(
     return out.reshape(b, hq, lq, -1).to(query.dtype)
 
 
+def _split(segments):
+    for start, k, v, is_new in segments:
+        for c in range(0, k.shape[2], MAX_COLUMNS):
+            yield start + c, k[:, :, c:c + MAX_COLUMNS], v[:, :, c:c + MAX_COLUMNS], is_new
+
+
 def _segment_mask(mask, col, n, b, rep, lq, is_new, start, query_start, device):
     """The mask block for one segment, shaped to broadcast against [B, Hkv, rep*Lq, n]."""
     if mask is not None:
@@ -71,7 +78,9 @@ def _segment_mask(mask, col, n, b, rep, lq, is_new, start, query_start, device):
     if not is_new or lq == 1:
         return None
     # mask None: new tokens are causal among themselves (queries are the new tokens, bottom-right aligned)
-    qpos = torch.arange(lq, device=device) + (query_start if query_start is not None else start)
+    if query_start is None:
+        raise ValueError("query_start is needed when the mask is None")
+    qpos = torch.arange(lq, device=device) + query_start
     kpos = torch.arange(n, device=device) + start
     causal = (kpos[None, :] <= qpos[:, None])  # [Lq, n]
     return causal.repeat(rep, 1).view(1, 1, rep * lq, n)

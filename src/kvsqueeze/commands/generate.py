@@ -1,0 +1,50 @@
+"""kvsqueeze generate: stream text from a model whose KV cache is quantized, then report the cache size."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--kv", default="kivi-4", help="cache preset, spec string or artifact (see `kvsqueeze presets`)")
+    p.add_argument("--model", default=None, help="HF directory, hub id or .gguf file (default: embedded SmolLM2-135M)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvsqueeze.spec import preset
+
+    spec = preset(args.kv)  # unknown presets fail before the model loads
+    if args.max_new_tokens < 1:
+        raise ValueError("--max-new-tokens must be at least 1")
+
+    import torch
+    from transformers import TextStreamer
+
+    from kvsqueeze.cache.hf_adapter import QuantizedCache
+    from kvsqueeze.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    cache = QuantizedCache(model.config, spec)
+    if not args.raw and getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+    else:
+        text = args.prompt
+    inputs = tok(text, return_tensors="pt", add_special_tokens=args.raw or not getattr(tok, "chat_template", None))
+    sample = args.temperature > 0
+    with torch.no_grad():
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=sample,
+                       temperature=args.temperature if sample else None, top_p=None, top_k=None,
+                       streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
+                       pad_token_id=tok.pad_token_id)
+    nb = cache.nbytes()
+    print(f"[{spec.name}] {cache.get_seq_length()} tokens, {nb.summary()}, "
+          f"{nb.total / max(cache.get_seq_length(), 1):.0f} bytes/token, threads {torch.get_num_threads()}")
+    return 0
