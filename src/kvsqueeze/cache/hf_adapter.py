@@ -21,7 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..kernels.reference import attend_segments
+from ..kernels.dispatch import check_backend, resolve
 from ..spec import CacheSpec, preset
 from .layer import LayerKV
 
@@ -73,8 +73,9 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         if layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
-            out = attend_segments(query, layer.segments(), attention_mask, scaling,
-                                  kv_offset=layer.first_visible, query_start=layer.n_total)
+            if layer.attend is None:
+                layer.attend = resolve(layer.backend, query.device)
+            out = layer.attend(query, layer, attention_mask, scaling)
     except BaseException:
         layer.pending = None  # a failed step leaves the cache as it was before the step
         raise
@@ -140,11 +141,16 @@ class _HFLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, spec: CacheSpec, sliding_window: int | None):
+    def __init__(self, spec: CacheSpec, sliding_window: int | None, backend: str):
         super().__init__()
-        self.spec, self.sliding_window = spec, sliding_window
+        self.spec, self.sliding_window, self.backend = spec, sliding_window, backend
         self.is_sliding = sliding_window is not None
-        self.kv = LayerKV(spec, sliding_window)
+        self.kv = self._new_kv()
+
+    def _new_kv(self) -> LayerKV:
+        kv = LayerKV(self.spec, self.sliding_window)
+        kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
+        return kv
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
@@ -166,7 +172,7 @@ class _HFLayer(CacheLayerMixin):
         return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:
-        self.kv = LayerKV(self.spec, self.sliding_window)
+        self.kv = self._new_kv()
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -239,10 +245,12 @@ class QuantizedCache(Cache):
     ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
     forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Creating
     the cache routes the model's attention through kvsqueeze (outputs of runs without this cache are unchanged).
+    ``backend`` picks the attention kernel: ``auto`` (fastest available), ``torch`` (reference), ``cpu``, ``triton``.
     """
 
-    def __init__(self, config, spec: str | CacheSpec = "kivi-4"):
+    def __init__(self, config, spec: str | CacheSpec = "kivi-4", backend: str = "auto"):
         spec = preset(spec)
+        check_backend(backend)
         layout = kv_layout(config)
         spec.check_head_dim(layout.head_dim)  # bad settings fail before anything is allocated
         self.spec, self.layout, self._config = spec, layout, config
@@ -254,9 +262,9 @@ class QuantizedCache(Cache):
                 if lspec.sinks:
                     lspec = CacheSpec(key=lspec.key, value=lspec.value, window=lspec.window, sinks=0,
                                       quantize_sliding=True, block_tokens=lspec.block_tokens, name=lspec.name)
-                layers.append(_HFLayer(lspec, layout.sliding_window))
+                layers.append(_HFLayer(lspec, layout.sliding_window, backend))
             else:
-                layers.append(_HFLayer(spec, None))
+                layers.append(_HFLayer(spec, None, backend))
         super().__init__(layers=layers)
         use_kvsqueeze_attention(config)
 

@@ -92,6 +92,8 @@ class LayerKV:
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.shape: tuple[int, int, int] | None = None  # batch, kv heads, head_dim
         self.dtype: torch.dtype | None = None
+        self.backend = "torch"  # attention backend name and its resolved function (set by the adapter)
+        self.attend = None
 
     # ------------------------------------------------------------------ sizes
     @property
