@@ -275,3 +275,29 @@ def test_failed_update_leaves_cache_unchanged(tiny_llama):
     with pytest.raises(RuntimeError), torch.no_grad():
         tiny_llama(_ids(1), past_key_values=cache, attention_mask=torch.ones(1, 7))
     assert (cache.get_seq_length(), cache.nbytes()) == before
+
+
+def test_batch_rows_are_independent(tiny_llama):
+    """Two sequences decoded as a batch give each row the logits it gets alone (no parameter is shared
+    across rows)."""
+    ids = torch.cat([_ids(90, seed=3), _ids(90, seed=4)])
+    both = _decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, SMALL_KIVI), 40)
+    for row in range(2):
+        alone = _decode(tiny_llama, ids[row:row + 1], QuantizedCache(tiny_llama.config, SMALL_KIVI), 40)
+        torch.testing.assert_close(both[row:row + 1], alone, atol=1e-4, rtol=1e-4)
+
+
+def test_multi_query_attention():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=64, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    ids = _ids(80)
+    with torch.no_grad():
+        ref = model(ids).logits
+    got = _decode(model, ids, QuantizedCache(model.config, "full"), 30)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    q = _decode(model, ids, QuantizedCache(model.config, SMALL_KIVI), 30)
+    assert q.shape == ref.shape and (q - ref).abs().max() < 0.5
