@@ -8,7 +8,7 @@ CHUNKS=${1:-2}
 PREFIX=${2:-1792}
 OUT=${3:-bench/foundation_ppl}
 mkdir -p "$OUT"
-for kv in full int4 kivi-4 kivi-2 hf-dynamic hf-quanto-int4 hf-quanto-int2 hf-quanto-int4-axis1 hf-quanto-int2-axis1; do
+for kv in ${PRESETS:-full int4 kivi-4 kivi-2 hf-dynamic hf-quanto-int4 hf-quanto-int2}; do
   kvsqueeze ppl --kv "$kv" --protocol decode --context 2048 --chunks "$CHUNKS" --prefix "$PREFIX" \
     --threads 2 --json "$OUT/$kv.json" | grep "^ppl " | sed "s/^/$kv: /"
 done

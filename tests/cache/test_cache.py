@@ -107,7 +107,7 @@ def test_attention_reads_history_one_block_at_a_time(tiny_llama, monkeypatch):
             return out
 
         monkeypatch.setattr(cls, "decode", spy)
-    cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
+    cache = QuantizedCache(tiny_llama.config, SMALL_KIVI, backend="torch")  # the reference reads via decode()
     _decode(tiny_llama, _ids(400), cache, 300)
     assert cache.layers[0].kv.n_history > 8 * SMALL_KIVI.block_tokens
     assert seen and max(seen) <= SMALL_KIVI.block_tokens
@@ -271,9 +271,13 @@ def test_failed_update_leaves_cache_unchanged(tiny_llama):
         cache.update(torch.zeros(2, 2, 1, 64), torch.zeros(2, 2, 1, 64), 0)
     with pytest.raises(ValueError, match=r"\[batch, kv_heads, tokens, head_dim\]"):
         cache.update(torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), 0)
-    # an exception inside attention discards the step
-    with pytest.raises(RuntimeError), torch.no_grad():
-        tiny_llama(_ids(1), past_key_values=cache, attention_mask=torch.ones(1, 7))
+    # an exception inside attention (here: the kernel of the last layer) discards the step in every layer
+    def boom(*args):
+        raise RuntimeError("kernel failure")
+
+    cache.layers[-1].kv.attend = boom
+    with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
+        tiny_llama(_ids(1), past_key_values=cache)
     assert (cache.get_seq_length(), cache.nbytes()) == before
 
 

@@ -1,0 +1,200 @@
+"""Attention micro-benchmark: one decode step over L layers of cached K/V, packed kernels vs torch SDPA.
+
+CPU section (always): SmolLM2-135M-shaped heads by default (3 KV heads, 9 query heads, head_dim 64), contexts
+4k-64k.  For each context: kvsqueeze's C++ kernel over full / int8 / kivi-4 / kivi-2 packed blocks, and torch
+SDPA over the same (dequantized-to-fp32 / fp16) data held as dense tensors.  Methods are interleaved per
+repetition; the median is reported with bytes read per step and the implied GB/s, next to the copy bandwidth
+measured by cloning a large tensor in the same run.
+
+GPU section (only with CUDA and Triton): Llama-2-7B-shaped (32 heads, head_dim 128; also 8 KV heads GQA), contexts
+4k-128k, batch 1 and 16: the fused Triton int4/int2 decode kernel vs fp16 SDPA and vs dequantize-then-SDPA.
+
+    PYTHONPATH=src python benchmarks/attention_micro.py --threads 2 --layers 4 --contexts 4096 8192 16384 32768 65536
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+CPU_PRESETS = ("full", "int8", "kivi-4", "kivi-2")
+
+
+def build_layer(spec, k: torch.Tensor, v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor):
+    from kvsqueeze.cache.layer import LayerKV
+    from kvsqueeze.spec import preset
+
+    layer = LayerKV(preset(spec))
+    layer.stage(k, v)
+    layer.commit()
+    layer.stage(new_k, new_v)  # the step's own token stays pending: attention never commits it
+    return layer
+
+
+def layer_bytes(layer) -> int:
+    n = layer.nbytes()
+    return n["codes"] + n["params"] + n["fp"]
+
+
+def copy_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """GB/s of bytes read (a clone reads and writes each byte once; we count the read side)."""
+    x = torch.empty(mib * 2**20 // 4).uniform_()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        y = x.clone()
+        ts.append(time.perf_counter() - t)
+        del y
+    return x.numel() * 4 / min(ts) / 1e9
+
+
+def bench_cpu(args) -> None:
+    from kvsqueeze.kernels import cpu
+
+    if not cpu.available():
+        print("C++ kernel unavailable; CPU section skipped")
+        return
+    kvh, qh, d, nl = args.kv_heads, args.q_heads, args.head_dim, args.layers
+    scale = d ** -0.5
+    bw = copy_bandwidth()
+    print(f"\n## CPU: {torch.get_num_threads()} threads, {nl} layers, {kvh} KV heads, {qh} query heads, head_dim {d}, "
+          f"batch 1; copy bandwidth {bw:.1f} GB/s (clone of 512 MiB)\n")
+    print("| context | method | ms/step | MB read/step | GB/s | vs SDPA fp32 |")
+    print("|---|---|---|---|---|---|")
+    for ctx in args.contexts:
+        g = torch.Generator().manual_seed(ctx)
+        layers: dict[str, list] = {p: [] for p in CPU_PRESETS}
+        dense32, dense16, qs = [], [], []
+        for _ in range(nl):
+            k = torch.randn(1, kvh, ctx, d, generator=g) * 1.5 + 0.3
+            v = torch.randn(1, kvh, ctx, d, generator=g)
+            nk, nv = torch.randn(1, kvh, 1, d, generator=g), torch.randn(1, kvh, 1, d, generator=g)
+            for p in CPU_PRESETS:
+                layers[p].append(build_layer(p, k, v, nk, nv))
+            kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
+            dense32.append((kk, vv))
+            dense16.append((kk.half(), vv.half()))
+            qs.append(torch.randn(1, qh, 1, d, generator=g))
+            del k, v
+
+        def sdpa(dense, qs=qs):
+            for q, (kk, vv) in zip(qs, dense):
+                torch.nn.functional.scaled_dot_product_attention(q.to(kk.dtype), kk, vv, scale=scale,
+                                                                 enable_gqa=qh != kvh)
+
+        def ours(ls, qs=qs):
+            for q, layer in zip(qs, ls):
+                cpu.attend_layer(q, layer, None, scale)
+
+        methods = {f"kvsqueeze {p}": (lambda ls=layers[p]: ours(ls)) for p in CPU_PRESETS}
+        methods["SDPA fp32"] = lambda d32=dense32: sdpa(d32)
+        methods["SDPA fp16"] = lambda d16=dense16: sdpa(d16)
+        nbytes = {f"kvsqueeze {p}": sum(layer_bytes(la) for la in layers[p]) for p in CPU_PRESETS}
+        nbytes["SDPA fp32"] = sum(kk.numel() * 8 for kk, _ in dense32)
+        nbytes["SDPA fp16"] = sum(kk.numel() * 4 for kk, _ in dense16)
+        times: dict[str, list[float]] = {m: [] for m in methods}
+        for fn in methods.values():
+            fn()
+        for _ in range(args.reps):
+            for m, fn in methods.items():
+                t = time.perf_counter()
+                fn()
+                times[m].append(time.perf_counter() - t)
+        base = statistics.median(times["SDPA fp32"])
+        for m in methods:
+            med = statistics.median(times[m])
+            print(f"| {ctx} | {m} | {med * 1e3:.2f} | {nbytes[m] / 1e6:.1f} | {nbytes[m] / med / 1e9:.1f} | "
+                  f"{base / med:.2f}x |")
+        layers = dense32 = dense16 = None  # free before the next context
+
+
+def bench_gpu(args) -> None:
+    if not torch.cuda.is_available():
+        print("\n## GPU: no CUDA device; section skipped")
+        return
+    try:
+        from kvsqueeze.kernels import triton_decode
+    except ImportError as err:
+        print(f"\n## GPU: Triton kernels unavailable ({err}); section skipped")
+        return
+    if not triton_decode.available():
+        print("\n## GPU: Triton kernels unavailable; section skipped")
+        return
+    dev = torch.device("cuda")
+    print(f"\n## GPU: {torch.cuda.get_device_name()}, Llama-2-7B-shaped layer (head_dim 128), one layer per step\n")
+    print("| heads q/kv | batch | context | method | ms/step | vs SDPA fp16 |")
+    print("|---|---|---|---|---|---|")
+    for kvh in (32, 8):
+        for batch in (1, 16):
+            for ctx in args.gpu_contexts:
+                if batch * ctx * kvh * 128 * 2 * 2 > args.gpu_budget_gb * 2**30:
+                    continue
+                k = torch.randn(batch, kvh, ctx, 128, device=dev, dtype=torch.float16)
+                v = torch.randn_like(k)
+                q = torch.randn(batch, 32, 1, 128, device=dev, dtype=torch.float16)
+                nk, nv = torch.randn_like(k[:, :, :1]), torch.randn_like(v[:, :, :1])
+                layers = {p: build_layer(p, k, v, nk, nv) for p in ("kivi-4", "kivi-2")}
+                kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
+                del k, v
+
+                def sdpa(kk=kk, vv=vv, q=q, kvh=kvh):
+                    return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=kvh != 32)
+
+                def deq_sdpa(layer, q=q, kvh=kvh):
+                    segs = list(layer.segments())
+                    k2 = torch.cat([s[1].half() for s in segs], 2)
+                    v2 = torch.cat([s[2].half() for s in segs], 2)
+                    return torch.nn.functional.scaled_dot_product_attention(q, k2, v2, enable_gqa=kvh != 32)
+
+                methods = {"SDPA fp16": sdpa}
+                for p, la in layers.items():
+                    methods[f"fused {p}"] = lambda la=la, q=q: triton_decode.attend_layer(q, la, None, 128 ** -0.5)
+                    methods[f"dequant+SDPA {p}"] = lambda la=la: deq_sdpa(la)
+                res = {}
+                for m, fn in methods.items():
+                    fn()
+                    torch.cuda.synchronize()
+                    ts = []
+                    for _ in range(args.reps):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record()
+                        fn()
+                        b.record()
+                        torch.cuda.synchronize()
+                        ts.append(a.elapsed_time(b))
+                    res[m] = statistics.median(ts)
+                for m, t in res.items():
+                    print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")
+                del layers, kk, vv
+                torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--q-heads", type=int, default=9)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--gpu-contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
+    p.add_argument("--gpu-budget-gb", type=float, default=40.0, help="skip GPU shapes whose fp16 K/V exceed this")
+    p.add_argument("--skip-cpu", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not args.skip_cpu:
+        bench_cpu(args)
+    bench_gpu(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""End-to-end CPU decode speed: kvsqueeze presets vs transformers' DynamicCache and quanto QuantizedCache.
+
+Embedded SmolLM2-135M, batch 1.  For every context length each cache is prefilled with the same random prompt
+(timed), then decode steps are interleaved across the caches (step i of every cache before step i+1 of any), so
+background load on a shared machine hits every preset alike.  Prints a markdown table (median decode ms/token,
+prefill s) and the ratios the issue asks for.
+
+    PYTHONPATH=src python benchmarks/decode_speed.py --threads 2 --contexts 1024 4096 8192 --steps 24
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+OURS = ("full", "int8", "kivi-4", "kivi-2")
+PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
+
+
+def make_cache(name: str, model, backend: str):
+    from transformers import DynamicCache
+    from transformers import QuantizedCache as HFQuantizedCache
+
+    from kvsqueeze.cache.hf_adapter import QuantizedCache
+
+    if name == "hf-dynamic":
+        model.config._attn_implementation = "sdpa"
+        return DynamicCache(config=model.config)
+    if name.startswith("hf-quanto-int"):
+        model.config._attn_implementation = "sdpa"
+        return HFQuantizedCache(backend="quanto", config=model.config, nbits=int(name[-1]), q_group_size=64,
+                                residual_length=128)
+    return QuantizedCache(model.config, name, backend=backend)
+
+
+def set_attention(model, name: str) -> None:
+    """Each cache needs its model attention function; switch before every call (caches are interleaved)."""
+    impl = "sdpa" if name.startswith("hf-") else "kvsqueeze"
+    for cfg in (model.config, model.config.get_text_config(decoder=True)):
+        cfg._attn_implementation = impl
+
+
+def timed(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def fill_from(cache, name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Load prefilled K/V into a cache as a prefill would (each cache quantizes them itself)."""
+    set_attention(model, name)
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+        if not name.startswith("hf-"):
+            cache.layers[i].kv.commit()
+
+
+@torch.inference_mode()
+def run_context(model, names: list[str], context: int, steps: int, backend: str, seed: int,
+                copy_prefill: bool = False) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    prompt = torch.randint(100, vocab - 100, (1, context), generator=g)
+    state = {}
+    shared = None
+    for name in names:  # prefill, one cache at a time (each holds its own copy of the context)
+        cache = make_cache(name, model, backend)
+        if copy_prefill and shared is not None:
+            fill_from(cache, name, model, shared[0])
+            state[name] = {"cache": cache, "next": shared[1], "prefill": float("nan"), "steps": [], "pos": context}
+            continue
+        set_attention(model, name)
+        t = time.perf_counter()
+        out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        dt = time.perf_counter() - t
+        state[name] = {"cache": cache, "next": out[:, -1:].argmax(-1), "prefill": dt, "steps": [], "pos": context}
+        if copy_prefill:
+            from transformers import DynamicCache
+
+            ref = DynamicCache(config=model.config)
+            fill_from(ref, "hf-dynamic", model, [(lay.keys, lay.values) for lay in cache.layers]
+                      if name.startswith("hf-dynamic") else _dense(cache))
+            shared = ([(lay.keys.clone(), lay.values.clone()) for lay in ref.layers], state[name]["next"])
+        gc.collect()
+    for _ in range(steps):  # decode, interleaved
+        for name in names:
+            st = state[name]
+            set_attention(model, name)
+            pos = torch.tensor([st["pos"]])
+
+            def step(st=st, pos=pos):
+                return model(st["next"], past_key_values=st["cache"], use_cache=True, cache_position=pos).logits
+
+            out, dt = timed(step)
+            st["steps"].append(dt)
+            st["next"] = out[:, -1:].argmax(-1)
+            st["pos"] += 1
+    result = {n: {"prefill": s["prefill"], "decode_ms": 1e3 * statistics.median(s["steps"][1:] or s["steps"])}
+              for n, s in state.items()}
+    del state
+    gc.collect()
+    return result
+
+
+def _dense(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of a kvsqueeze "full" cache as dense tensors (sinks, blocks, window)."""
+    out = []
+    for layer in cache.layers:
+        segs = [(k, v) for _, k, v, _ in layer.kv.segments()]
+        out.append((torch.cat([k for k, _ in segs], 2), torch.cat([v for _, v in segs], 2)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--steps", type=int, default=24, help="decode steps per cache (first one not counted)")
+    p.add_argument("--presets", nargs="+", default=list(OURS + PEERS))
+    p.add_argument("--backend", default="auto", help="kvsqueeze attention backend (auto, cpu, torch)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-prefill", action="store_true",
+                   help="prefill only the first preset; the others get its K/V (decode timing only, saves time)")
+    args = p.parse_args(argv)
+
+    from kvsqueeze.models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(progress=False)
+    if args.backend in ("auto", "cpu"):
+        from kvsqueeze.kernels import cpu
+
+        print(f"C++ kernel available: {cpu.available()}", file=sys.stderr)
+    rows = {}
+    for ctx in args.contexts:
+        t = time.perf_counter()
+        rows[ctx] = run_context(model, args.presets, ctx, args.steps, args.backend, args.seed, args.copy_prefill)
+        print(f"context {ctx}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+
+    print(f"\nCPU decode, SmolLM2-135M fp32, batch 1, {args.threads} threads, backend={args.backend}, "
+          f"median of {args.steps - 1} interleaved steps\n")
+    head = "| preset | " + " | ".join(f"{c} decode ms/tok | {c} prefill s" for c in args.contexts) + " |"
+    print(head)
+    print("|" + "---|" * (1 + 2 * len(args.contexts)))
+    for name in args.presets:
+        cells = [f"{rows[c][name]['decode_ms']:.1f} | {rows[c][name]['prefill']:.2f}" for c in args.contexts]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nratios (decode ms/token; prefill s)")
+    for ctx in args.contexts:
+        r = rows[ctx]
+        for name in ("kivi-4", "kivi-2", "int8"):
+            if name not in r:
+                continue
+            parts = []
+            if "full" in r:
+                parts.append(f"decode/full {r[name]['decode_ms'] / r['full']['decode_ms']:.2f}")
+                parts.append(f"prefill/full {r[name]['prefill'] / r['full']['prefill']:.2f}")
+            if "hf-quanto-int4" in r:
+                parts.append(f"quanto-int4/this decode {r['hf-quanto-int4']['decode_ms'] / r[name]['decode_ms']:.2f}x")
+            if "hf-dynamic" in r:
+                parts.append(f"decode/hf-dynamic {r[name]['decode_ms'] / r['hf-dynamic']['decode_ms']:.2f}")
+            print(f"  {ctx:>6} {name:<7} " + ", ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,813 @@
+// Decode attention directly over kvsqueeze's packed block storage (CPU).
+//
+// One call per layer: the context (sinks, history blocks, window, new tokens) is split into chunks of at most
+// CHUNK tokens; each (batch, kv head, chunk) work item computes its partial softmax (max, sum, weighted values)
+// in parallel (flash-decoding), then the partials are merged exactly with log-sum-exp.  Codes are unpacked one
+// small tile of tokens at a time into an L1-sized float buffer, so nothing of size context x head_dim exists.
+// Per-channel keys use the algebra s = (q * scale_g) . codes + q . zero_g, so their codes are never scaled.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int TILE = 32;  // tokens decoded at a time
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3 };
+
+struct Part {  // a [B, H, rows, X] tensor, last dim contiguous; strides in bytes
+  const char* ptr = nullptr;
+  int64_t sb = 0, sh = 0, sr = 0;
+  at::ScalarType dt = at::kFloat;
+  const char* row(int64_t b, int64_t h, int64_t r) const { return ptr + b * sb + h * sh + r * sr; }
+};
+
+Part make_part(const at::Tensor& t) {
+  Part p;
+  if (!t.defined() || t.numel() == 0) return p;
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "packed parts must be [B,H,rows,X] with a contiguous last dim");
+  const int64_t e = t.element_size();
+  p.ptr = static_cast<const char*>(t.data_ptr());
+  p.sb = t.size(0) == 1 ? 0 : t.stride(0) * e;  // size-1 batch broadcasts (fp8 per-tensor fixed scales)
+  p.sh = t.size(1) == 1 ? 0 : t.stride(1) * e;
+  p.sr = t.stride(2) * e;
+  p.dt = t.scalar_type();
+  return p;
+}
+
+__attribute__((always_inline)) inline float ld(at::ScalarType dt, const char* p, int64_t i) {
+  switch (dt) {
+    case at::kFloat: return reinterpret_cast<const float*>(p)[i];
+    case at::kHalf: return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
+    case at::kBFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p)[i]);
+    case at::kFloat8_e4m3fn: return static_cast<float>(reinterpret_cast<const c10::Float8_e4m3fn*>(p)[i]);
+    default: TORCH_CHECK(false, "unsupported parameter dtype");
+  }
+  return 0.f;
+}
+
+struct Fmt {
+  int kind = FP, bits = 8, group = 1, sym = 0, fp8 = 0, fixed = 0;
+};
+
+struct Side {  // how one of keys/values of a segment is stored
+  Fmt f;
+  Part x, scale, zero;  // FP: x = values; INT/FP8: x = codes
+};
+
+struct Seg {
+  Side k, v;
+  int64_t pos = 0, n = 0;  // absolute position of the first token, token count
+  bool is_new = false;
+};
+
+float LUT_E4M3[256], LUT_E5M2[256];
+
+void init_luts() {
+  static bool done = false;
+  if (done) return;
+  for (int i = 0; i < 256; ++i) {
+    LUT_E4M3[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    LUT_E5M2[i] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(i), c10::Float8_e5m2::from_bits()));
+  }
+  done = true;
+}
+
+// Codes of one token row, unpacked as float but not yet scaled.  Packed widths come out "field-major": the k-th
+// code of every packing unit first (position k*U + u holds channel u*per + k), which turns unpacking into
+// constant shifts over contiguous bytes that the compiler vectorises; queries and outputs are permuted to match.
+// DT is head_dim when known at compile time (64, 128), else 0 and Drt is used.
+template <int BITS, int DT>
+inline void unpack_fm(const uint8_t* __restrict src, float* __restrict dst, int Drt) {
+  const int D = DT ? DT : Drt;
+  if constexpr (BITS == 1 || BITS == 2 || BITS == 4) {
+    constexpr int per = 8 / BITS;
+    constexpr int mask = (1 << BITS) - 1;
+    const int U = D / per;
+    for (int k = 0; k < per; ++k) {
+      float* o = dst + k * U;
+#pragma omp simd
+      for (int u = 0; u < U; ++u) o[u] = static_cast<float>((src[u] >> (k * BITS)) & mask);
+    }
+  } else if constexpr (BITS == 3) {
+    const int U = D / 8;
+    uint32_t w[64];
+    for (int u = 0; u < U; ++u)
+      w[u] = uint32_t(src[3 * u]) | (uint32_t(src[3 * u + 1]) << 8) | (uint32_t(src[3 * u + 2]) << 16);
+    for (int k = 0; k < 8; ++k) {
+      float* o = dst + k * U;
+#pragma omp simd
+      for (int u = 0; u < U; ++u) o[u] = static_cast<float>((w[u] >> (3 * k)) & 7u);
+    }
+  } else {
+#pragma omp simd
+    for (int j = 0; j < D; ++j) dst[j] = static_cast<float>(src[j]);
+  }
+}
+
+template <int DT>
+inline void unpack_rows(int bits, const Part& x, int64_t b, int64_t h, int64_t t0, int n, float* out, int D) {
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(x.row(b, h, t0 + t));
+    float* dst = out + t * D;
+    switch (bits) {
+      case 1: unpack_fm<1, DT>(src, dst, D); break;
+      case 2: unpack_fm<2, DT>(src, dst, D); break;
+      case 3: unpack_fm<3, DT>(src, dst, D); break;
+      case 4: unpack_fm<4, DT>(src, dst, D); break;
+      default: unpack_fm<8, DT>(src, dst, D); break;  // 5-8 bits: one code per byte
+    }
+  }
+}
+
+inline int codes_per_unit(const Fmt& f) {
+  if (f.kind != INT_TOKEN && f.kind != INT_CHANNEL) return 1;
+  return (f.bits == 1 || f.bits == 2 || f.bits == 4) ? 8 / f.bits : (f.bits == 3 ? 8 : 1);
+}
+
+struct Perm {  // field-major order of one format
+  std::vector<int> chan;   // channel held at each position
+  std::vector<int> group;  // per-token layouts: parameter group of each position
+  std::vector<int> unit_group;  // per-token layouts: parameter group of each packing unit
+};
+
+Perm field_perm(const Fmt& f, int D) {
+  const int per = codes_per_unit(f), U = D / per;
+  Perm p;
+  p.chan.resize(D);
+  p.group.resize(D);
+  for (int k = 0; k < per; ++k)
+    for (int u = 0; u < U; ++u) {
+      p.chan[k * U + u] = u * per + k;
+      p.group[k * U + u] = f.kind == INT_TOKEN ? (u * per + k) / f.group : 0;
+    }
+  p.unit_group.resize(U);
+  for (int u = 0; u < U; ++u) p.unit_group[u] = f.kind == INT_TOKEN ? u * per / f.group : 0;
+  return p;
+}
+
+// (scale, offset) such that value = code * scale + offset, for every integer layout
+inline void affine(const Fmt& f, float s, float z, float& a, float& c) {
+  if (!f.sym) {
+    a = s;
+    c = z;
+  } else if (f.bits == 1) {
+    a = 2.f * s;
+    c = -s;
+  } else {
+    a = s;
+    c = -static_cast<float>(1 << (f.bits - 1)) * s;
+  }
+}
+
+// Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled
+// (without -ffast-math) into a sequential chain of scalar adds, which dominated the decode step.
+template <int DT>
+inline float dot(const float* __restrict a, const float* __restrict b, int Drt) {
+  const int D = DT ? DT : Drt;
+  float p[16] = {0.f};
+  int j = 0;
+  for (; j + 16 <= D; j += 16)
+    for (int l = 0; l < 16; ++l) p[l] += a[j + l] * b[j + l];
+  for (; j < D; ++j) p[j & 15] += a[j] * b[j];
+  for (int l = 0; l < 8; ++l) p[l] += p[l + 8];
+  for (int l = 0; l < 4; ++l) p[l] += p[l + 4];
+  return (p[0] + p[2]) + (p[1] + p[3]);
+}
+
+// acc[0:D] += sum_t w[t] * x[t][0:D], accumulating in a local array the compiler keeps in registers.
+template <int DT>
+inline void axpy_rows(float* __restrict acc, const float* __restrict w, const float* __restrict x, int64_t xs,
+                      int nt, int Drt) {
+  if constexpr (DT > 0 && DT <= 128) {
+    float a[DT];
+    for (int j = 0; j < DT; ++j) a[j] = acc[j];
+    for (int t = 0; t < nt; ++t) {
+      const float p = w[t];
+      const float* xr = x + t * xs;
+      for (int j = 0; j < DT; ++j) a[j] += p * xr[j];
+    }
+    for (int j = 0; j < DT; ++j) acc[j] = a[j];
+  } else {
+    const int D = DT ? DT : Drt;
+    for (int t = 0; t < nt; ++t) {
+      const float p = w[t];
+      const float* xr = x + t * xs;
+#pragma omp simd
+      for (int j = 0; j < D; ++j) acc[j] += p * xr[j];
+    }
+  }
+}
+
+// Per-token groups in field-major order: field k of group g is the run k*U + [g*RUN, (g+1)*RUN).
+template <int RUN>
+inline void dequant_runs(float* __restrict o, const float* ag, const float* cg, int per, int NG, int U) {
+  for (int k = 0; k < per; ++k)
+    for (int g = 0; g < NG; ++g) {
+      float* oo = o + k * U + g * RUN;
+      const float a = ag[g], c = cg[g];
+#pragma omp simd
+      for (int j = 0; j < RUN; ++j) oo[j] = oo[j] * a + c;
+    }
+}
+
+// Dequantized rows [t0, t0+n) of one side into out[n][D] in field-major order, or a direct pointer for fp32
+// data.  Returns the pointer to use and sets row_stride (in floats).  tmp holds 4*D floats.
+template <int DT>
+const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int Drt, float* out,
+                         int64_t& row_stride, float* tmp, const Perm& pm) {
+  const int D = DT ? DT : Drt;
+  const Fmt& f = sd.f;
+  row_stride = D;
+  if (f.kind == FP) {
+    if (sd.x.dt == at::kFloat) {
+      row_stride = sd.x.sr / 4;
+      return reinterpret_cast<const float*>(sd.x.row(b, h, t0));
+    }
+    for (int t = 0; t < n; ++t) {
+      const char* r = sd.x.row(b, h, t0 + t);
+      for (int j = 0; j < D; ++j) out[t * D + j] = ld(sd.x.dt, r, j);
+    }
+    return out;
+  }
+  if (f.kind == FP8) {
+    const float* lut = f.fp8 ? LUT_E5M2 : LUT_E4M3;
+    for (int t = 0; t < n; ++t) {
+      const uint8_t* c = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + t));
+      const float s = f.fixed ? ld(sd.scale.dt, sd.scale.row(b, h, 0), 0) : ld(sd.scale.dt, sd.scale.row(b, h, t0 + t), 0);
+      for (int j = 0; j < D; ++j) out[t * D + j] = lut[c[j]] * s;
+    }
+    return out;
+  }
+  unpack_rows<DT>(f.bits, sd.x, b, h, t0, n, out, D);
+  const int G = f.group;
+  float* a = tmp;
+  float* c = tmp + D;
+  if (f.kind == INT_TOKEN) {
+    const int NG = D / G, per = codes_per_unit(f), U = D / per;
+    float* ag = tmp + 2 * D;
+    float* cg = tmp + 3 * D;
+    const int* gi = pm.group.data();
+    const int run = G % per == 0 ? G / per : 0;  // positions k*U + [g*run, (g+1)*run) share group g
+    for (int t = 0; t < n; ++t) {
+      const char* sr = sd.scale.row(b, h, t0 + t);
+      const char* zr = f.sym ? nullptr : sd.zero.row(b, h, t0 + t);
+      for (int g = 0; g < NG; ++g) affine(f, ld(sd.scale.dt, sr, g), zr ? ld(sd.zero.dt, zr, g) : 0.f, ag[g], cg[g]);
+      float* o = out + t * D;
+      switch (run) {
+        case 4: dequant_runs<4>(o, ag, cg, per, NG, U); break;
+        case 8: dequant_runs<8>(o, ag, cg, per, NG, U); break;
+        case 16: dequant_runs<16>(o, ag, cg, per, NG, U); break;
+        case 32: dequant_runs<32>(o, ag, cg, per, NG, U); break;
+        case 64: dequant_runs<64>(o, ag, cg, per, NG, U); break;
+        case 128: dequant_runs<128>(o, ag, cg, per, NG, U); break;
+        default:
+          for (int i = 0; i < D; ++i) o[i] = o[i] * ag[gi[i]] + cg[gi[i]];
+      }
+    }
+  } else {  // INT_CHANNEL: one (scale, zero) row per G tokens, gathered into field-major order
+    int64_t cur = -1;
+    for (int t = 0; t < n; ++t) {
+      const int64_t grow = (t0 + t) / G;
+      if (grow != cur) {
+        cur = grow;
+        const char* sr = sd.scale.row(b, h, grow);
+        const char* zr = f.sym ? nullptr : sd.zero.row(b, h, grow);
+        for (int i = 0; i < D; ++i)
+          affine(f, ld(sd.scale.dt, sr, pm.chan[i]), zr ? ld(sd.zero.dt, zr, pm.chan[i]) : 0.f, a[i], c[i]);
+      }
+      float* o = out + t * D;
+#pragma omp simd
+      for (int j = 0; j < D; ++j) o[j] = o[j] * a[j] + c[j];
+    }
+  }
+  return out;
+}
+
+// p[i] = exp(x[i] - m) in place, returning the sum; vectorisable (std::exp is a scalar call and dominated the
+// decode step).  exp(y ln2) with y split into round(y) + f, |f| <= 1/2, and a degree-7 Taylor series for 2^f:
+// relative error < 2e-7.  Inputs below exp(-87) give exactly 0, so masked (-inf) scores contribute nothing.
+inline float exp_sum(float* __restrict x, int n, float m) {
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int i = 0; i < n; ++i) {
+    const float d = x[i] - m;
+    const float y = std::max(d, -87.f) * 1.44269504088896341f;
+    const float r = (y + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23 trick)
+    const float f = (y - r) * 0.693147180559945309f;
+    float p = 1.f + f * (1.f + f * (0.5f + f * (0.166666667f + f * (0.0416666667f + f * (0.00833333333f +
+              f * (0.00138888889f + f * 0.000198412698f))))));
+    const int32_t e = (static_cast<int32_t>(r) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &e, sizeof(scale));
+    p = d < -87.f ? 0.f : p * scale;
+    x[i] = p;
+    total += p;
+  }
+  return total;
+}
+
+struct Item {
+  int64_t seg, t0;
+  int n;
+};
+
+// ------------------------------------------------------------------------------------------------ SIMD fast path
+// GCC vector extensions (16 floats; AVX-512 zmm, or pairs of AVX2 ymm) for head_dim 64/128 and the layouts the
+// presets use: fp32, and 2/4/8-bit integer codes whose packing units fill whole 16-lane vectors.  Codes are
+// unpacked in registers and consumed at once; nothing is written back to memory per token.
+typedef float vf __attribute__((vector_size(64), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+
+inline vf loadf(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storef(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
+inline float hsum(const vf& v) {
+  vf8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const vf8 s8 = lo + hi;
+  vf4 a, b;
+  std::memcpy(&a, &s8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  const vf4 s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+template <int BITS>
+inline vf field(const uint8_t* __restrict src, int k) {  // k-th code of 16 consecutive bytes, as float
+  // a plain widening loop compiles to one vpmovzxbd; __builtin_convertvector on uint8 vectors was scalarised
+  int32_t w[16];
+  for (int l = 0; l < 16; ++l) w[l] = src[l];
+  vi x;
+  std::memcpy(&x, w, sizeof(x));
+  if constexpr (BITS < 8) x = (x >> (k * BITS)) & ((1 << BITS) - 1);
+  return __builtin_convertvector(x, vf);
+}
+
+// BITS == 32: float32 rows.  Row vector index k*UB + h holds field k of units [16h, 16h+16).
+template <int DT, int BITS>
+struct Layout {
+  static constexpr int per = BITS >= 8 ? 1 : 8 / BITS;
+  static constexpr int U = DT / per;
+  static constexpr int UB = U / 16;
+  static constexpr int NV = DT / 16;
+};
+
+// Per-token group parameters spread over the unit blocks: lane l of block h belongs to group (16h+l)*per/G.
+template <int DT, int BITS>
+inline void token_affine(const Side& sd, int64_t b, int64_t h, int64_t t, const int* gsel, vf* av, vf* cv) {
+  using L = Layout<DT, BITS>;
+  const Fmt& f = sd.f;
+  const int NG = DT / f.group;
+  const char* sr = sd.scale.row(b, h, t);
+  const char* zr = f.sym ? nullptr : sd.zero.row(b, h, t);
+  float ag[16] = {0.f}, cg[16] = {0.f};
+  for (int g = 0; g < NG; ++g) affine(f, ld(sd.scale.dt, sr, g), zr ? ld(sd.zero.dt, zr, g) : 0.f, ag[g], cg[g]);
+  if (f.group / L::per >= 16) {  // every block lies in one group: broadcasts, no permutation
+    for (int hb = 0; hb < L::UB; ++hb) {
+      av[hb] = vf{} + ag[gsel[hb * 16]];
+      cv[hb] = vf{} + cg[gsel[hb * 16]];
+    }
+    return;
+  }
+  const vf agv = loadf(ag), cgv = loadf(cg);
+  for (int hb = 0; hb < L::UB; ++hb) {  // one lane permutation (vpermps) per block
+    vi idx;
+    std::memcpy(&idx, gsel + hb * 16, sizeof(idx));
+    av[hb] = __builtin_shuffle(agv, idx);
+    cv[hb] = __builtin_shuffle(cgv, idx);
+  }
+}
+
+// Scores of RB query rows (q in field-major order, already scaled) against tokens [t0, t0+n) of a segment.
+template <int DT, int BITS, int KIND, int RB>
+void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, float* s, int64_t s_stride,
+                 const int* gsel) {
+  using L = Layout<DT, BITS>;
+  vf qv[RB][L::NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) qv[r][i] = loadf(q + r * DT + 16 * i);
+  vf cst[RB];  // per-channel keys: q . zero of the current group
+  vf qa[RB][L::NV];
+  int64_t cur = -1;
+  for (int t = 0; t < n; ++t) {
+    vf acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = vf{};
+    const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS == 32) {
+      const float* x = reinterpret_cast<const float*>(row);
+      for (int i = 0; i < L::NV; ++i) {
+        const vf kv = loadf(x + 16 * i);
+        for (int r = 0; r < RB; ++r) acc[r] += qv[r][i] * kv;
+      }
+    } else if constexpr (KIND == INT_CHANNEL) {
+      const int64_t grow = (t0 + t) / sd.f.group;
+      if (grow != cur) {  // fold this token group's (scale, zero) into the query
+        cur = grow;
+        const Fmt& f = sd.f;
+        const char* sr = sd.scale.row(b, h, grow);
+        const char* zr = f.sym ? nullptr : sd.zero.row(b, h, grow);
+        float a[DT], c[DT];
+        for (int k = 0; k < L::per; ++k)
+          for (int u = 0; u < L::U; ++u) {
+            const int ch = u * L::per + k;
+            affine(f, ld(sd.scale.dt, sr, ch), zr ? ld(sd.zero.dt, zr, ch) : 0.f, a[k * L::U + u], c[k * L::U + u]);
+          }
+        for (int r = 0; r < RB; ++r) {
+          vf z = vf{};
+          for (int i = 0; i < L::NV; ++i) {
+            qa[r][i] = qv[r][i] * loadf(a + 16 * i);
+            z += qv[r][i] * loadf(c + 16 * i);
+          }
+          cst[r] = z;
+        }
+      }
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb)
+        for (int k = 0; k < L::per; ++k) {
+          const vf raw = field<BITS>(x + 16 * hb, k);
+          for (int r = 0; r < RB; ++r) acc[r] += qa[r][k * L::UB + hb] * raw;
+        }
+      for (int r = 0; r < RB; ++r) acc[r] += cst[r];
+    } else {  // INT_TOKEN
+      vf av[L::UB], cv[L::UB];
+      token_affine<DT, BITS>(sd, b, h, t0 + t, gsel, av, cv);
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb)
+        for (int k = 0; k < L::per; ++k) {
+          const vf val = field<BITS>(x + 16 * hb, k) * av[hb] + cv[hb];
+          for (int r = 0; r < RB; ++r) acc[r] += qv[r][k * L::UB + hb] * val;
+        }
+    }
+    for (int r = 0; r < RB; ++r) s[r * s_stride + t] = hsum(acc[r]);
+  }
+}
+
+// acc (field-major) += sum_t p[r][t] * value_t for RB rows.
+template <int DT, int BITS, int RB>
+void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                 float* acc, int64_t acc_stride, const int* gsel) {
+  using L = Layout<DT, BITS>;
+  vf a[RB][L::NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + 16 * i);
+  for (int t = 0; t < n; ++t) {
+    float pr[RB];
+    bool any = false;
+    for (int r = 0; r < RB; ++r) {
+      pr[r] = p[r * p_stride + t];
+      any |= pr[r] != 0.f;
+    }
+    if (!any) continue;
+    const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS == 32) {
+      const float* x = reinterpret_cast<const float*>(row);
+      for (int i = 0; i < L::NV; ++i) {
+        const vf v = loadf(x + 16 * i);
+        for (int r = 0; r < RB; ++r) a[r][i] += pr[r] * v;
+      }
+    } else {  // INT_TOKEN values
+      vf av[L::UB], cv[L::UB];
+      token_affine<DT, BITS>(sd, b, h, t0 + t, gsel, av, cv);
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb)
+        for (int k = 0; k < L::per; ++k) {
+          const vf val = field<BITS>(x + 16 * hb, k) * av[hb] + cv[hb];
+          for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
+        }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) storef(acc + r * acc_stride + 16 * i, a[r][i]);
+}
+
+// Which fast variant serves a side: its BITS (32 = fp32), or 0 when only the generic path can.
+template <int DT>
+int fast_bits(const Side& sd, bool is_key) {
+  const Fmt& f = sd.f;
+  if (f.kind == FP) return sd.x.dt == at::kFloat ? 32 : 0;
+  if (f.kind == FP8) return 0;
+  if (f.bits != 2 && f.bits != 4 && f.bits != 8) return 0;
+  const int per = f.bits == 8 ? 1 : 8 / f.bits;
+  if ((DT / per) % 16) return 0;
+  if (f.kind == INT_TOKEN && (DT / f.group > 16 || f.group % per)) return 0;
+  if (f.kind == INT_CHANNEL && !is_key) return 0;
+  return f.bits;
+}
+
+template <int DT, int BITS, int KIND>
+void scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
+                 int64_t s_stride, const int* gsel) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rb = std::min<int64_t>(4, R - r0);
+    const float* qr = q + r0 * DT;
+    float* sr = s + r0 * s_stride;
+    switch (rb) {
+      case 1: fast_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
+      case 2: fast_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
+      case 3: fast_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
+      default: fast_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
+    }
+  }
+}
+
+template <int DT>
+bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
+                     int64_t s_stride, const int* gsel) {
+  const int bits = fast_bits<DT>(sd, true);
+  const bool ch = sd.f.kind == INT_CHANNEL;
+  switch (bits) {
+    case 32: scores_rows<DT, 32, FP>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
+    case 2: ch ? scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
+               : scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
+    case 4: ch ? scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
+               : scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
+    case 8: ch ? scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
+               : scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
+    default: return false;
+  }
+}
+
+template <int DT, int BITS>
+void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                 int64_t R, float* acc, int64_t acc_stride, const int* gsel) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rb = std::min<int64_t>(4, R - r0);
+    const float* pr = p + r0 * p_stride;
+    float* ar = acc + r0 * acc_stride;
+    switch (rb) {
+      case 1: fast_values<DT, BITS, 1>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
+      case 2: fast_values<DT, BITS, 2>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
+      case 3: fast_values<DT, BITS, 3>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
+      default: fast_values<DT, BITS, 4>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
+    }
+  }
+}
+
+template <int DT>
+bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                     int64_t R, float* acc, int64_t acc_stride, const int* gsel) {
+  switch (fast_bits<DT>(sd, false)) {
+    case 32: values_rows<DT, 32>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
+    case 2: values_rows<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
+    case 4: values_rows<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
+    case 8: values_rows<DT, 8>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
+    default: return false;
+  }
+}
+
+struct Ctx {
+  int64_t B, Hq, Lq;
+  int D;
+  int64_t Hkv, rep, R, NI, W, chunk;
+  const float* qp;
+  const std::vector<Seg>* segs;
+  const std::vector<Item>* items;
+  const std::vector<int64_t>* seg_fmt;
+  const std::vector<Perm>*kperm, *vperm;
+  float* part;
+  bool has_mask;
+  int64_t mB, mcols, ms0, ms2, ms3;
+  const bool* mbp;
+  const float* mfp;
+  int64_t kv_offset, query_start;
+  float scaling;
+};
+
+struct Scratch {
+  std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp;
+  Scratch(int D, int64_t R, int64_t chunk)
+      : kbuf(TILE * D), vbuf(TILE * D), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D) {}
+};
+
+// One (batch, kv head, chunk) work item: partial max, sum and weighted values of every query row.
+template <int DT>
+void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
+  const int D = DT ? DT : cx.D;
+  const int64_t R = cx.R, W = cx.W, Lq = cx.Lq, chunk = cx.chunk;
+  const int64_t bh = w / cx.NI, b = bh / cx.Hkv, h = bh % cx.Hkv;
+  const Item& it = (*cx.items)[w % cx.NI];
+  const Seg& sg = (*cx.segs)[it.seg];
+  const int n = it.n;
+  const Perm& kpm = (*cx.kperm)[(*cx.seg_fmt)[it.seg]];
+  const Perm& vpm = (*cx.vperm)[(*cx.seg_fmt)[it.seg]];
+  float* pw = cx.part + w * R * W;
+  float* qs = sc.qs.data();
+  float* s = sc.s.data();
+  // queries of this kv head, pre-scaled, in the keys' field-major order
+  for (int64_t r = 0; r < R; ++r) {
+    const float* src = cx.qp + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
+    for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
+  }
+  // scores
+  const bool fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data());
+  if (fast_k) {
+  } else if (sg.k.f.kind == INT_CHANNEL) {
+    // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
+    const Fmt& f = sg.k.f;
+    float* a = sc.tmp.data();
+    float* c = a + D;
+    float* qa = sc.qa.data();
+    int64_t cur = -1;
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+      const int nt = std::min(TILE, n - t0);
+      unpack_rows<DT>(f.bits, sg.k.x, b, h, it.t0 + t0, nt, sc.kbuf.data(), D);
+      for (int t = 0; t < nt; ++t) {
+        const int64_t grow = (it.t0 + t0 + t) / f.group;
+        if (grow != cur) {
+          cur = grow;
+          const char* sr = sg.k.scale.row(b, h, grow);
+          const char* zr = f.sym ? nullptr : sg.k.zero.row(b, h, grow);
+          for (int i = 0; i < D; ++i)
+            affine(f, ld(sg.k.scale.dt, sr, kpm.chan[i]), zr ? ld(sg.k.zero.dt, zr, kpm.chan[i]) : 0.f, a[i], c[i]);
+          for (int64_t r = 0; r < R; ++r) {
+            float cs = 0.f;
+#pragma omp simd reduction(+ : cs)
+            for (int i = 0; i < D; ++i) {
+              qa[r * D + i] = qs[r * D + i] * a[i];
+              cs += qs[r * D + i] * c[i];
+            }
+            sc.qc[r] = cs;
+          }
+        }
+        const float* kr = sc.kbuf.data() + t * D;
+        for (int64_t r = 0; r < R; ++r) s[r * chunk + t0 + t] = dot<DT>(qa + r * D, kr, D) + sc.qc[r];
+      }
+    }
+  } else {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+      const int nt = std::min(TILE, n - t0);
+      int64_t ks;
+      const float* kp = decode_rows<DT>(sg.k, b, h, it.t0 + t0, nt, D, sc.kbuf.data(), ks, sc.tmp.data(), kpm);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qs + r * D;
+        float* sr = s + r * chunk + t0;
+        for (int t = 0; t < nt; ++t) sr[t] = dot<DT>(qr, kp + t * ks, D);
+      }
+    }
+  }
+  // mask, softmax within the chunk
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * chunk;
+    const int64_t lq = r % Lq;
+    if (cx.has_mask) {
+      const int64_t bb = cx.mB == 1 ? 0 : b;
+      const int64_t col0 = sg.pos + it.t0 - cx.kv_offset;
+      for (int t = 0; t < n; ++t) {
+        const int64_t col = col0 + t;
+        if (col < 0 || col >= cx.mcols) {
+          sr[t] = NEG_INF;
+        } else if (cx.mbp) {
+          if (!cx.mbp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3]) sr[t] = NEG_INF;
+        } else {
+          sr[t] += cx.mfp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3];
+        }
+      }
+    } else if (sg.is_new && Lq > 1) {
+      const int64_t qpos = cx.query_start + lq;
+      for (int t = 0; t < n; ++t)
+        if (sg.pos + it.t0 + t > qpos) sr[t] = NEG_INF;
+    }
+    float m = NEG_INF;
+    for (int t = 0; t < n; ++t) m = std::max(m, sr[t]);
+    const float safe = std::isinf(m) && m < 0 ? 0.f : m;
+    const float l = exp_sum(sr, n, safe);
+    float* pr = pw + r * W;
+    pr[0] = m;
+    pr[1] = l;
+    std::fill(pr + 2, pr + W, 0.f);
+  }
+  // weighted values
+  const bool fast_v = DT > 0 && try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data());
+  for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
+    const int nt = std::min(TILE, n - t0);
+    int64_t vs;
+    const float* vp = decode_rows<DT>(sg.v, b, h, it.t0 + t0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
+    for (int64_t r = 0; r < R; ++r) axpy_rows<DT>(pw + r * W + 2, s + r * chunk + t0, vp, vs, nt, D);
+  }
+  // back to natural channel order
+  for (int64_t r = 0; r < R; ++r) {
+    float* acc = pw + r * W + 2;
+    std::copy(acc, acc + D, sc.accp.data());
+    for (int j = 0; j < D; ++j) acc[vpm.chan[j]] = sc.accp[j];
+  }
+}
+
+}  // namespace
+
+// q: float32 [B, Hq, Lq, D] contiguous.  Per segment: 6 tensors (k.x, k.scale, k.zero, v.x, v.scale, v.zero;
+// empty where absent), its absolute start, token count, is-new flag and format index (into fmts: 6 ints each,
+// keys then values).  mask: empty, bool or float [B|1, 1, Lq, kv_len].  Returns float32 [B, Hq, Lq, D].
+at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
+                  const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
+                  const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, const at::Tensor& mask,
+                  int64_t kv_offset, int64_t query_start, double scaling, int64_t chunk) {
+  init_luts();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32");
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
+  const int D = static_cast<int>(q.size(3));
+  const size_t S = seg_pos.size();
+  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S, "bad segment lists");
+  std::vector<Seg> segs(S);
+  int64_t Hkv = 0;
+  for (size_t i = 0; i < S; ++i) {
+    Seg& s = segs[i];
+    Side* sides[2] = {&s.k, &s.v};
+    for (int w = 0; w < 2; ++w) {
+      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
+      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+      sides[w]->x = make_part(parts[6 * i + 3 * w]);
+      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
+      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
+    }
+    s.pos = seg_pos[i];
+    s.n = seg_n[i];
+    s.is_new = seg_new[i] != 0;
+    Hkv = parts[6 * i].size(1);
+  }
+  TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
+  const int64_t rep = Hq / Hkv, R = rep * Lq;
+
+  std::vector<Item> items;
+  for (size_t i = 0; i < S; ++i)
+    for (int64_t t0 = 0; t0 < segs[i].n; t0 += chunk)
+      items.push_back({int64_t(i), t0, int(std::min<int64_t>(chunk, segs[i].n - t0))});
+  const int64_t NI = static_cast<int64_t>(items.size());
+  auto out = at::zeros({B, Hq, Lq, D}, q.options());
+  if (NI == 0) return out;
+
+  // partials: [B*Hkv, NI, R, D + 2] (m, l, acc)
+  const int64_t W = D + 2;
+  std::vector<float> part(static_cast<size_t>(B * Hkv * NI * R * W));
+  const float* qp = q.data_ptr<float>();
+  const bool has_mask = mask.defined() && mask.numel() > 0;
+  const bool mask_bool = has_mask && mask.scalar_type() == at::kBool;
+  at::Tensor maskf = has_mask && !mask_bool ? mask.to(at::kFloat) : mask;
+  const int64_t mB = has_mask ? maskf.size(0) : 0, mcols = has_mask ? maskf.size(3) : 0;
+  const int64_t ms0 = has_mask ? maskf.stride(0) : 0, ms2 = has_mask ? maskf.stride(2) : 0,
+                ms3 = has_mask ? maskf.stride(3) : 0;
+  const bool* mbp = mask_bool ? maskf.data_ptr<bool>() : nullptr;
+  const float* mfp = has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr;
+
+  // field-major orders per format (index 0: fp segments, 1: the store)
+  const size_t NF = fmts.size() / 12;
+  std::vector<Perm> kperm(NF), vperm(NF);
+  for (size_t i = 0; i < S; ++i) {
+    kperm[seg_fmt[i]] = field_perm(segs[i].k.f, D);
+    vperm[seg_fmt[i]] = field_perm(segs[i].v.f, D);
+  }
+
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), has_mask,
+         mB, mcols, ms0, ms2, ms3, mbp, mfp, kv_offset, query_start, static_cast<float>(scaling)};
+  at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
+    Scratch sc(D, R, chunk);
+    for (int64_t w = lo; w < hi; ++w) {
+      if (D == 64) run_item<64>(cx, w, sc);
+      else if (D == 128) run_item<128>(cx, w, sc);
+      else run_item<0>(cx, w, sc);
+    }
+  });
+
+  // exact log-sum-exp merge of the chunk partials
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * R, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t bh = x / R, r = x % R, b = bh / Hkv, h = bh % Hkv;
+      float M = NEG_INF;
+      for (int64_t i = 0; i < NI; ++i) M = std::max(M, part[((bh * NI + i) * R + r) * W]);
+      float* o = op + ((b * Hq + h * rep + r / Lq) * Lq + r % Lq) * D;
+      if (std::isinf(M) && M < 0) continue;  // fully masked row -> zeros
+      float L = 0.f;
+      for (int64_t i = 0; i < NI; ++i) {
+        const float* pr = part.data() + ((bh * NI + i) * R + r) * W;
+        if (pr[1] == 0.f) continue;
+        const float c = std::exp(pr[0] - M);
+        L += c * pr[1];
+        for (int j = 0; j < D; ++j) o[j] += c * pr[2 + j];
+      }
+      const float inv = 1.f / std::max(L, 1e-30f);
+      for (int j = 0; j < D; ++j) o[j] *= inv;
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("attend", &attend, "decode attention over packed KV blocks"); }

@@ -1,0 +1,146 @@
+"""The C++ CPU kernel (kvsqueeze.kernels.cpu) against the pure-torch reference.
+
+Tolerance: outputs are O(1) (softmax averages of unit-variance values); the kernel accumulates in float32 in a
+different order and uses a polynomial exp (relative error < 2e-7), so absolute differences stay below ~5e-6.
+We assert atol 5e-5 for float32 caches and 2e-2 relative for fp16/bf16 models (output rounding of the dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.cache.hf_adapter import QuantizedCache
+from kvsqueeze.kernels import cpu
+from kvsqueeze.kernels.dispatch import reference_attend_layer, resolve
+
+from ._helpers import filled_layer, padding_mask, query_for
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here")
+
+ATOL = 5e-5
+
+SPECS = [
+    "full", "int8", "int4", "int2", "kivi-4", "kivi-3", "kivi-2", "kivi-2-sink4", "fp8-e4m3", "fp8-e5m2",
+    "k1c32-v1t32-w64-s3",  # 1-bit both sides, odd sink count
+    "k8t16-v3c16-w32",  # per-token 8-bit keys, per-channel 3-bit values
+    "k1t4-v2t2",  # groups smaller than a packing unit
+    "k4c16-v8t8-w16-s1",
+    "k2t32-v4c64-w64",
+]
+
+
+def _check(layer, q_heads: int, new: int, mask=None, atol: float = ATOL) -> None:
+    q = query_for(layer, q_heads, new)
+    ref = reference_attend_layer(q, layer, mask, 0.125)
+    got = cpu.attend_layer(q, layer, mask, 0.125)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("new", [1, 3])
+def test_matches_reference_gqa_batch_padding(spec, new):
+    layer = filled_layer(spec, batch=2, kv_heads=2, stored=300, new=new, steps=4)
+    _check(layer, 6, new)  # GQA 3:1, no mask
+    _check(layer, 6, new, padding_mask(layer, new, [0, 45]))
+
+
+@pytest.mark.parametrize("stored", [1, 3, 31, 32, 33, 127, 128, 129, 160, 161, 257, 300])
+@pytest.mark.parametrize("spec", ["kivi-2-sink4", "int4", "k3c32-v3t32-w32-s5"])
+def test_window_sink_and_block_boundaries(spec, stored):
+    layer = filled_layer(spec, batch=1, kv_heads=1, stored=stored, new=1, steps=min(stored, 3))
+    _check(layer, 4, 1)  # multi-query attention
+
+
+@pytest.mark.parametrize("head_dim", [32, 40, 128])
+@pytest.mark.parametrize("spec", ["full", "k4c32-v4t8-w32", "k8t8-v2t8", "fp8-e4m3", "k1c32-v1t8"])
+def test_head_dims(spec, head_dim):
+    layer = filled_layer(spec, batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
+    _check(layer, 2, 1)  # no GQA
+
+
+def test_float_mask_and_fully_masked_rows():
+    layer = filled_layer("kivi-4", batch=2, kv_heads=2, stored=400, new=2)
+    bool_mask = padding_mask(layer, 2, [0, 10])
+    bool_mask[1] = False  # sequence 1 sees nothing: its rows must come out 0
+    _check(layer, 4, 2, bool_mask)
+    q = query_for(layer, 4, 2)
+    assert cpu.attend_layer(q, layer, bool_mask, 0.125)[1].abs().max() == 0
+    float_mask = torch.zeros(bool_mask.shape).masked_fill(~padding_mask(layer, 2, [0, 10]), float("-inf"))
+    float_mask[0, ..., 5:9] += 0.7  # a real additive bias
+    _check(layer, 4, 2, float_mask)
+
+
+def test_broadcast_mask_batch_dim():
+    layer = filled_layer("int4", batch=3, kv_heads=1, stored=300, new=1)
+    _check(layer, 2, 1, padding_mask(layer, 1, [17]))
+
+
+@pytest.mark.parametrize("spec", ["full", "kivi-2", "k4c32-v4t32-w32"])
+def test_sliding_window_layer_after_eviction(spec):
+    window = 96
+    layer = filled_layer(spec, batch=1, kv_heads=2, stored=900, new=1, steps=40, sliding=window)
+    assert layer.first_visible > 0  # blocks were evicted
+    kv_len = layer.n_total - layer.first_visible + 1
+    qpos = layer.n_total
+    cols = torch.arange(kv_len) + layer.first_visible
+    mask = ((cols > qpos - window) & (cols <= qpos))[None, None, None, :]
+    _check(layer, 4, 1, mask)
+    _check(layer, 4, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["full", "kivi-4", "fp8-e5m2"])
+def test_half_precision_models(spec, dtype):
+    layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=1, dtype=dtype)
+    q = query_for(layer, 4, 1)
+    ref = reference_attend_layer(q, layer, None, 0.125)
+    got = cpu.attend_layer(q, layer, None, 0.125)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_long_steps_use_the_reference():
+    layer = filled_layer("kivi-2", batch=1, kv_heads=2, stored=200, new=cpu.MAX_QUERIES + 4)
+    q = query_for(layer, 4, cpu.MAX_QUERIES + 4)
+    assert torch.equal(cpu.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+
+
+def test_auto_backend_picks_cpu_and_fallback(monkeypatch):
+    assert resolve("auto", torch.device("cpu")) is cpu.attend_layer
+    layer = filled_layer("kivi-4", batch=1, kv_heads=2, stored=200, new=1)
+    q = query_for(layer, 4, 1)
+    monkeypatch.setattr(cpu, "_ext", None)
+    monkeypatch.setattr(cpu, "_failed", "simulated")
+    assert not cpu.available()
+    assert torch.equal(cpu.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+
+
+# ---------------------------------------------------------------------------------------------- generation
+def _generate(model, spec: str, backend: str, ids, mask=None, n: int = 12):
+    cache = QuantizedCache(model.config, spec, backend=backend)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, do_sample=False,
+                              pad_token_id=1)
+
+
+@pytest.mark.parametrize("spec", ["kivi-2-sink4", "int4", "full"])
+def test_greedy_generation_matches_reference_tiny_llama(tiny_llama, spec):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 256, (1, 150), generator=g)  # longer than the 128-token window: history is packed
+    ref = _generate(tiny_llama, spec, "torch", ids)
+    got = _generate(tiny_llama, spec, "cpu", ids)
+    assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("spec", ["kivi-4", "int8"])
+def test_greedy_generation_matches_reference_mixed_sliding_batch(tiny_mixed_sliding, spec):
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 256, (2, 140), generator=g)
+    mask = torch.ones_like(ids)
+    ids[1, :9] = 1  # left padding in the second sequence
+    mask[1, :9] = 0
+    ref = _generate(tiny_mixed_sliding, spec, "torch", ids, mask)
+    got = _generate(tiny_mixed_sliding, spec, "cpu", ids, mask)
+    assert got.tolist() == ref.tolist()

@@ -1,0 +1,62 @@
+"""Triton kernels against the reference: under TRITON_INTERPRET=1 on CPU (small shapes), on CUDA when present.
+
+Tolerance: atol 5e-5 (float32 accumulation in a different order than the reference).  Skipped cleanly when
+Triton is not installed; the interpreter is slow, so the CPU cases use tiny chunks and few tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvsqueeze.kernels.dispatch import reference_attend_layer
+
+from ._helpers import filled_layer, padding_mask, query_for
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@pytest.fixture
+def td(monkeypatch):
+    """The Triton module, interpreting on CPU unless a GPU is present."""
+    from kvsqueeze.kernels import triton_decode  # interpreted on CPU: see tests/kernels/conftest.py
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the interpreter is off")
+    monkeypatch.setattr(triton_decode, "CHUNK", 32)
+    monkeypatch.setattr(triton_decode, "BLOCK_T", 32)
+    return triton_decode
+
+
+def _check(td, layer, q_heads, new, mask=None):
+    q = query_for(layer, q_heads, new)
+    ref = reference_attend_layer(q, layer, mask, 0.125)
+    got = td.attend_layer(q, layer, mask, 0.125)
+    torch.testing.assert_close(got, ref, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("spec,new", [("kivi-2-sink4", 1), ("k8t16-v4c16-w16", 2), ("kivi-4", 1), ("full", 1)])
+def test_fused_decode_matches_reference_interpreted(td, spec, new):
+    layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=32, stored=90 if spec != "kivi-4" else 200, new=new, steps=2)
+    _check(td, layer, 2, new, padding_mask(layer, new, [0, 21]))
+
+
+def test_unsupported_layouts_fall_back(td):
+    layer = filled_layer("k3c32-v3t32-w32", batch=1, kv_heads=1, head_dim=32, stored=70, new=1)
+    assert not td.supports(layer)
+    q = query_for(layer, 1, 1)
+    assert torch.equal(td.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int4", "int8", "full"])
+def test_fused_decode_on_gpu(spec):
+    from kvsqueeze.kernels import triton_decode
+
+    layer = filled_layer(spec, batch=4, kv_heads=8, head_dim=128, stored=5000, new=1, steps=3, device="cuda")
+    _check(triton_decode, layer, 32, 1, padding_mask(layer, 1, [0, 100, 7, 4000]))
