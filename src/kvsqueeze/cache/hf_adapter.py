@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..kernels.dispatch import check_backend, resolve
 from ..spec import CacheSpec, preset
-from .layer import LayerKV
+from .layer import LayerKV, StepTracker
 
 ATTN_NAME = "kvsqueeze"
 _TAG = "_kvsqueeze_layer"
@@ -77,9 +78,12 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
                 layer.attend = resolve(layer.backend, query.device)
             out = layer.attend(query, layer, attention_mask, scaling)
     except BaseException:
-        layer.pending = None  # a failed step leaves the cache as it was before the step
+        if layer.step is not None:
+            layer.step.abort()  # a failed step leaves every layer as it was before the step
+        else:
+            layer.pending = None
         raise
-    layer.commit()
+    layer.finish_step()
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -141,15 +145,16 @@ class _HFLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, spec: CacheSpec, sliding_window: int | None, backend: str):
+    def __init__(self, spec: CacheSpec, sliding_window: int | None, backend: str, step: StepTracker):
         super().__init__()
-        self.spec, self.sliding_window, self.backend = spec, sliding_window, backend
+        self.spec, self.sliding_window, self.backend, self.step = spec, sliding_window, backend, step
         self.is_sliding = sliding_window is not None
         self.kv = self._new_kv()
 
     def _new_kv(self) -> LayerKV:
         kv = LayerKV(self.spec, self.sliding_window)
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
+        kv.step = self.step
         return kv
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -245,26 +250,42 @@ class QuantizedCache(Cache):
     ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
     forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Creating
     the cache routes the model's attention through kvsqueeze (outputs of runs without this cache are unchanged).
+    ``spec`` may also be the path of a calibration artifact directory written by ``kvsqueeze calibrate``.
     ``backend`` picks the attention kernel: ``auto`` (fastest available), ``torch`` (reference), ``cpu``, ``triton``.
     """
 
     def __init__(self, config, spec: str | CacheSpec = "kivi-4", backend: str = "auto"):
-        spec = preset(spec)
+        from ..calibrate.artifact import check_overrides, is_artifact_dir, load_artifact
+
+        # a calibration artifact directory (kvsqueeze calibrate) gives one key/value spec per layer
+        spec = load_artifact(spec).cache_spec() if is_artifact_dir(spec) else preset(spec)
         check_backend(backend)
         layout = kv_layout(config)
         spec.check_head_dim(layout.head_dim)  # bad settings fail before anything is allocated
+        if spec.layer_overrides is not None:
+            check_overrides(spec, layout)  # artifact of another model: ValueError before allocation
+        calibrated = spec.layer_overrides is not None or any(
+            q.extras is not None or q.fmt == "ternary" for q in (spec.key, spec.value))
+        if calibrated and backend == "auto":  # the fused kernels do not know the calibrated codecs yet
+            backend = "torch"
         self.spec, self.layout, self._config = spec, layout, config
+        step = StepTracker(lambda: [layer.kv for layer in self.layers])
         layers = []
-        for t in layout.layer_types:
+        for i, t in enumerate(layout.layer_types):
+            if spec.layer_overrides is not None and t != "sliding_attention":
+                k_spec, v_spec = spec.layer_overrides[i]
+                layers.append(_HFLayer(dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None),
+                                       None, backend, step))
+                continue
             if t == "sliding_attention":
                 lspec = spec if spec.quantize_sliding else CacheSpec(name="full", block_tokens=spec.block_tokens)
                 # sinks are masked out of a sliding window anyway; they would only cost memory
                 if lspec.sinks:
                     lspec = CacheSpec(key=lspec.key, value=lspec.value, window=lspec.window, sinks=0,
                                       quantize_sliding=True, block_tokens=lspec.block_tokens, name=lspec.name)
-                layers.append(_HFLayer(lspec, layout.sliding_window, backend))
+                layers.append(_HFLayer(lspec, layout.sliding_window, backend, step))
             else:
-                layers.append(_HFLayer(spec, None, backend))
+                layers.append(_HFLayer(spec, None, backend, step))
         super().__init__(layers=layers)
         use_kvsqueeze_attention(config)
 
@@ -276,7 +297,32 @@ class QuantizedCache(Cache):
                                f"('{ATTN_NAME}')")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    # everything that reads or edits the cache first discards a step that failed part-way
+    def _settled(self):
+        if self.layers:
+            self.layers[0].kv.step.settle()
+        return self
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return Cache.get_seq_length(self._settled(), layer_idx)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return Cache.get_mask_sizes(self._settled(), query_length, layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        Cache.crop(self._settled(), tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        Cache.reorder_cache(self._settled(), beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        Cache.batch_repeat_interleave(self._settled(), repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        Cache.batch_select_indices(self._settled(), indices)
+
     def nbytes(self) -> KVBytes:
+        self._settled()
         tot = {"codes": 0, "params": 0, "fp": 0, "allocated": 0, "elements": 0, "quantized_elements": 0}
         for layer in self.layers:
             for k, v in layer.kv.nbytes().items():

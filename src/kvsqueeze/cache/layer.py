@@ -8,7 +8,7 @@ quantizing each exactly once.  Nothing here imports transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -75,6 +75,36 @@ class FpWindow:
         return self.length * per_tok, self.k.shape[2] * per_tok
 
 
+class StepTracker:
+    """Makes a forward step all-or-nothing across layers: layers commit together once every layer's attention
+    is done; a step that raised part-way (its layers still pending) is discarded by :meth:`settle`, which the
+    cache calls before anything reads or edits it, and by the next step's first update."""
+
+    def __init__(self, layers: Callable[[], list[LayerKV]]):
+        self._layers = layers  # a getter: layers are replaced on reset
+        self.done: set[int] = set()
+
+    @property
+    def layers(self) -> list[LayerKV]:
+        return self._layers()
+
+    def layer_done(self, layer: LayerKV) -> None:
+        self.done.add(id(layer))
+        if len(self.done) == len(self.layers):
+            for lay in self.layers:
+                lay.commit()
+            self.done.clear()
+
+    def abort(self) -> None:
+        for lay in self.layers:
+            lay.pending = None
+        self.done.clear()
+
+    def settle(self) -> None:
+        if any(lay.pending is not None for lay in self.layers):
+            self.abort()
+
+
 class LayerKV:
     """Storage and bookkeeping of one attention layer.
 
@@ -94,6 +124,7 @@ class LayerKV:
         self.dtype: torch.dtype | None = None
         self.backend = "torch"  # attention backend name and its resolved function (set by the adapter)
         self.attend = None
+        self.step: StepTracker | None = None  # shared by the layers of one cache: commits whole steps
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -138,10 +169,20 @@ class LayerKV:
         """Record a forward step's new tokens (validated first; stored state untouched until commit)."""
         self.check(k, v)
         if self.pending is not None:
-            self.commit()
+            if self.step is not None:  # the previous step never finished in every layer: it failed
+                self.step.abort()
+            else:
+                self.commit()
         if self.shape is None:
             self._init(k)
         self.pending = (k, v)
+
+    def finish_step(self) -> None:
+        """Attention for the pending tokens is done: commit now, or when every layer of the step is done."""
+        if self.step is None:
+            self.commit()
+        else:
+            self.step.layer_done(self)
 
     def _init(self, k: torch.Tensor) -> None:
         b, h, _, d = k.shape
@@ -172,6 +213,7 @@ class LayerKV:
                 wk, wv = self.window.view()
                 fk = torch.cat([wk[:, :, :from_w], fk], dim=2)
                 fv = torch.cat([wv[:, :, :from_w], fv], dim=2)
+            self._position_codecs(encode=self.n_sinks + self.store.end)
             self.store.append(fk, fv)
             self.window.drop_front(from_w)
             k, v = k[:, :, flush - from_w:], v[:, :, flush - from_w:]
@@ -189,6 +231,7 @@ class LayerKV:
         if self.sink_k is not None:
             yield 0, self.sink_k, self.sink_v, False
         if self.store is not None:
+            self._position_codecs(decode=self._history_position())
             for start, k, v in self.store.chunks():
                 yield self.n_sinks + start, k, v, False
             if self.window.length:
@@ -196,6 +239,19 @@ class LayerKV:
                 yield self.n_sinks + self.store.end, wk, wv, False
         if self.pending is not None:
             yield self.n_total, self.pending[0], self.pending[1], True
+
+    def _history_position(self) -> int:
+        """Absolute position of the first token of the first stored history block."""
+        return self.n_sinks + (self.store.blocks[0].start if self.store.blocks else self.store.begin)
+
+    def _position_codecs(self, encode: int | None = None, decode: int | None = None) -> None:
+        """Positional codecs (pre-RoPE keys) need the absolute position of the tokens they encode and decode;
+        the block store walks blocks in order, so setting the first position is enough."""
+        for codec in self.store.codecs.values():
+            if getattr(codec, "positional", False):
+                from .codecs_calibrated import set_positions
+
+                set_positions(codec, encode, decode)
 
     # ------------------------------------------------------------------ editing
     def crop(self, new_length: int) -> None:
@@ -216,6 +272,7 @@ class LayerKV:
             keep = new_length - s
             f = self.spec.flush_tokens
             aligned = keep // f * f
+            self._position_codecs(decode=self._history_position())
             leftover = self.store.decode_range(aligned, keep) if keep > aligned else None
             self.store.truncate(aligned)
             self.window.truncate(0)
