@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "the main job: quality, retrieval, speed and memory of every preset and peer"),
     "static-generate": ("static_generate", "greedy generation on ONNX Runtime through the static-shape KV manager"),
     "presets": ("presets", "list the named presets and their bits per element"),
+    "calibrate": ("calibrate", "calibrate SKVQ / KVQuant-style quantization and write an artifact for --kv"),
 }
 
 

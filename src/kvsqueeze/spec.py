@@ -15,7 +15,7 @@ from typing import Any
 
 INT_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 PACKABLE_BITS = (1, 2, 3, 4, 8)  # bit widths with a dense uint8 packing; others are stored one code per byte
-FORMATS = ("none", "int", "fp8-e4m3", "fp8-e5m2")
+FORMATS = ("none", "int", "fp8-e4m3", "fp8-e5m2", "ternary")
 AXES = ("token", "channel")
 PARAM_DTYPES = ("fp32", "fp16", "bf16", "fp8-e4m3")
 FP8_SCALES = ("tensor", "head", "token")
@@ -37,6 +37,9 @@ class QuantSpec:
     clip:         clipping ratio alpha in (0, 1]: the range used is alpha times the group's range (SKVQ).
     param_dtype:  storage dtype of scales and zero-points ("fp8-e4m3" as SKVQ does).
     fp8_scale:    for fp8 formats, scale granularity: per "tensor" (one per layer), "head" or "token".
+    extras:       calibrated tensors of one layer (channel permutation, per-group clip ratios, pre-RoPE
+                  per-channel parameters...), set by :mod:`kvsqueeze.calibrate` artifacts; ``None`` for every
+                  preset.  "ternary" (the 1.5-bit format of docs/calibrated.md) is per-token only.
     """
 
     fmt: str = "int"
@@ -47,6 +50,7 @@ class QuantSpec:
     clip: float = 1.0
     param_dtype: str = "fp16"
     fp8_scale: str = "token"
+    extras: Any = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -65,6 +69,8 @@ class QuantSpec:
             raise ValueError(f"unknown param_dtype {self.param_dtype!r}; allowed: {', '.join(PARAM_DTYPES)}")
         if self.fp8_scale not in FP8_SCALES:
             raise ValueError(f"unknown fp8_scale {self.fp8_scale!r}; allowed: {', '.join(FP8_SCALES)}")
+        if self.fmt == "ternary" and self.axis != "token":
+            raise ValueError("the ternary (1.5-bit) format stores per-token groups only; use axis='token'")
 
     @property
     def quantized(self) -> bool:
@@ -93,8 +99,14 @@ class QuantSpec:
                 raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {8 // self.bits}")
 
     def label(self) -> str:
+        if self.extras is not None and hasattr(self.extras, "label"):
+            return self.extras.label(self)
         if self.fmt == "none":
             return "fp"
+        if self.fmt == "ternary":
+            g = "all" if self.group is None else str(self.group)
+            clip = "" if self.clip == 1.0 else f"c{self.clip:g}"
+            return f"ternary/token{g}{clip}/{self.param_dtype}"
         if self.fmt != "int":
             return f"{self.fmt}/{self.fp8_scale}"
         g = "all" if self.group is None else str(self.group)
@@ -104,6 +116,10 @@ class QuantSpec:
 
 
 FULL = QuantSpec(fmt="none")
+
+
+def _plain(q: QuantSpec) -> QuantSpec:
+    return dataclasses.replace(q, extras=None) if q.extras is not None else q
 
 
 @dataclass(frozen=True)
@@ -126,6 +142,10 @@ class CacheSpec:
     block_tokens: int = 256
     name: str = "custom"
     meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    # calibrated artifacts: one (key, value) QuantSpec per model layer, used instead of key/value by the cache;
+    # window, sinks and block size still come from this spec (so protocols can replace them)
+    layer_overrides: tuple[tuple[QuantSpec, QuantSpec], ...] | None = field(
+        default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         for what, v in (("window", self.window), ("sinks", self.sinks)):
@@ -167,14 +187,25 @@ class CacheSpec:
         self.value.check_head_dim(head_dim)
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        # tensors of calibrated specs are not JSON: they are summarised (the artifact directory holds them)
+        plain = dataclasses.replace(self, layer_overrides=None, key=_plain(self.key), value=_plain(self.value))
+        d = dataclasses.asdict(plain)
+        for side, q in (("key", self.key), ("value", self.value)):
+            d[side].pop("extras", None)
+            if q.extras is not None and hasattr(q.extras, "describe"):
+                d[side]["calibrated"] = q.extras.describe()
+        d.pop("layer_overrides", None)
+        if self.layer_overrides is not None:
+            d["calibrated_layers"] = len(self.layer_overrides)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
         d = dict(d)
-        d["key"] = QuantSpec(**d.get("key", {}))
-        d["value"] = QuantSpec(**d.get("value", {}))
+        d.pop("layer_overrides", None)
+        d.pop("calibrated_layers", None)
+        d["key"] = QuantSpec(**{k: v for k, v in d.get("key", {}).items() if k not in ("extras", "calibrated")})
+        d["value"] = QuantSpec(**{k: v for k, v in d.get("value", {}).items() if k not in ("extras", "calibrated")})
         return cls(**d)
 
     def label(self) -> str:

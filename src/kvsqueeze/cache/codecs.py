@@ -12,9 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import (FP8_DTYPES, FP8_MAX, dequantize_groups, fp8_dequantize, fp8_quantize, pack_bits, packed_nbytes,
-                     param_torch_dtype, quantize_groups, unpack_bits)
+from ..quant import (
+    FP8_DTYPES,
+    FP8_MAX,
+    dequantize_groups,
+    fp8_dequantize,
+    fp8_quantize,
+    pack_bits,
+    packed_nbytes,
+    param_torch_dtype,
+    quantize_groups,
+    unpack_bits,
+)
 from ..spec import QuantSpec
+
 
 @dataclass(frozen=True)
 class PartLayout:
@@ -181,6 +192,10 @@ class Fp8Codec(Codec):
 
 
 def make_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
+    if spec.extras is not None or spec.fmt == "ternary":  # calibrated methods (kvsqueeze.calibrate artifacts)
+        from .codecs_calibrated import make_calibrated_codec
+
+        return make_calibrated_codec(spec, head_dim, dtype)
     if spec.fmt == "none":
         return FullCodec(head_dim, dtype)
     if spec.fmt == "int":

@@ -24,6 +24,9 @@ def fake_quantize_cache(k: torch.Tensor, v: torch.Tensor, spec: CacheSpec) -> tu
     if n:
         kc = make_codec(spec.key, k.shape[-1], k.dtype)
         vc = make_codec(spec.value, v.shape[-1], v.dtype)
+        for c in (kc, vc):  # pre-RoPE codecs un-rotate and re-rotate at the tokens' absolute positions
+            if getattr(c, "positional", False):
+                c.encode_position = c.decode_position = s
         k_hat[:, :, s:s + n] = kc.decode(kc.encode(k[:, :, s:s + n])).to(k.dtype)
         v_hat[:, :, s:s + n] = vc.decode(vc.encode(v[:, :, s:s + n])).to(v.dtype)
     return k_hat, v_hat

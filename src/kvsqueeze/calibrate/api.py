@@ -1,0 +1,111 @@
+"""One entry point for every calibrated method: collect activations, calibrate each side, build the artifact."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec import QuantSpec
+from .artifact import Artifact, Side
+from .clip import CLIP_MODES
+from .collect import Activations, CalibrationData, collect
+from .kvquant import calibrate_kvquant_keys
+from .skvq import calibrate_skvq, side_quant
+
+METHODS = ("skvq", "kvquant", "hybrid")
+METHOD_HELP = {"skvq": "SKVQ: reordered per-token groups, searched clip ratios, fp8 group parameters",
+               "kvquant": "KVQuant-style: pre-RoPE per-channel keys with static ranges and sparse outliers; "
+                          "per-token values",
+               "hybrid": "KVQuant-style keys with SKVQ values"}
+
+
+@dataclass(frozen=True)
+class CalibrationSettings:
+    method: str = "skvq"
+    key_bits: int = 2
+    value_bits: float = 1.5  # 1.5 = the ternary format (docs/calibrated.md)
+    key_group: int | None = 32
+    value_group: int | None = 32
+    param_dtype: str = "fp8-e4m3"  # of SKVQ groups and plain per-token values
+    reorder: bool = True
+    clip: str = "layer"
+    outliers: int = 1
+    nuq: bool = False
+    window: int = 128
+    sinks: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown method {self.method!r}; allowed: {', '.join(METHODS)}")
+        if self.clip not in CLIP_MODES:
+            raise ValueError(f"unknown clip mode {self.clip!r}; allowed: {', '.join(CLIP_MODES)}")
+        if self.key_bits not in (1, 2, 3, 4, 8):
+            raise ValueError(f"unsupported key bits {self.key_bits}; allowed: 1, 2, 3, 4, 8")
+        if self.value_bits not in (1.5, 1, 2, 3, 4, 8):
+            raise ValueError(f"unsupported value bits {self.value_bits}; allowed: 1.5 (ternary), 1, 2, 3, 4, 8")
+        if self.outliers < 0:
+            raise ValueError(f"outliers per token must be >= 0, got {self.outliers}")
+        if self.window < 0 or self.sinks < 0:
+            raise ValueError("window and sinks must be non-negative")
+
+    def value_quant(self) -> QuantSpec:
+        if self.value_bits == 1.5:
+            return side_quant("ternary", 2, self.value_group, self.param_dtype)
+        return side_quant("int", int(self.value_bits), self.value_group, self.param_dtype)
+
+    def key_quant(self) -> QuantSpec:
+        return side_quant("int", self.key_bits, self.key_group, self.param_dtype)
+
+    def name(self, model_name: str) -> str:
+        def g(x: int | None) -> str:
+            return "all" if x is None else str(x)
+
+        vb = "1.5" if self.value_bits == 1.5 else str(int(self.value_bits))
+        if self.method == "skvq":
+            k = f"k{self.key_bits}g{g(self.key_group)}"
+        else:
+            k = f"k{self.key_bits}pre-o{self.outliers}" + ("-nuq" if self.nuq else "")
+        v = f"v{vb}g{g(self.value_group)}"
+        parts = [model_name, self.method, k, v, self.param_dtype.replace("-e4m3", "")]
+        if self.method != "kvquant":
+            parts += ["reorder" if self.reorder else "noreorder", f"clip-{self.clip}"]
+        parts += [f"w{self.window}", f"s{self.sinks}"]
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts))
+
+
+def calibrate_activations(acts: Activations, settings: CalibrationSettings, progress: bool = True
+                          ) -> list[dict[str, Side]]:
+    s = settings
+    ws = {"window": s.window, "sinks": s.sinks}  # the objective sees what the cache will keep exact
+    if s.method == "kvquant":
+        keys = calibrate_kvquant_keys(acts, s.key_bits, s.outliers, s.nuq, progress=progress, **ws)
+        return [{"key": k, "value": Side("plain", s.value_quant()) if k.kind != "none" else
+                 Side("none", QuantSpec(fmt="none"))} for k in keys]
+    sides = ("value",) if s.method == "hybrid" else ("key", "value")
+    layers = calibrate_skvq(acts, s.key_quant(), s.value_quant(), s.reorder, s.clip, progress=progress, sides=sides,
+                            **ws)
+    if s.method == "hybrid":
+        keys = calibrate_kvquant_keys(acts, s.key_bits, s.outliers, s.nuq, progress=progress, **ws)
+        for lay, k in zip(layers, keys):
+            lay["key"] = k
+    return layers
+
+
+def calibrate(model: Any, data: CalibrationData, settings: CalibrationSettings, model_name: str = "model",
+              progress: bool = True) -> Artifact:
+    """Collect activations on ``data`` and calibrate ``settings.method``; returns an unsaved artifact."""
+    from ..cache.hf_adapter import kv_layout
+
+    layout = kv_layout(model.config)
+    acts = collect(model, data.ids, progress=progress)
+    layers = calibrate_activations(acts, settings, progress=progress)
+    text = model.config.get_text_config(decoder=True)
+    model_info = {"name": model_name, "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                  "num_heads": layout.num_heads, "head_dim": layout.head_dim,
+                  "rope_theta": getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {})
+                  .get("rope_theta")}
+    return Artifact(method=settings.method, name=settings.name(model_name), model=model_info,
+                    window=settings.window, sinks=settings.sinks, calibration=data.provenance,
+                    settings={k: getattr(settings, k) for k in settings.__dataclass_fields__},
+                    layers=layers, rope={"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling})

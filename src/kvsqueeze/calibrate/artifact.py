@@ -1,0 +1,240 @@
+"""Calibration artifacts: a directory with ``kvsqueeze_artifact.json`` (method, bits, groups, clip ratios,
+calibration provenance, model layout) and ``tensors.safetensors`` (permutations, clip ratios, pre-RoPE ranges,
+codebooks, the RoPE table).  Written to a temporary directory and renamed into place, so a failure never
+leaves a half-written artifact; loaded with full validation (ValueError for anything missing or inconsistent).
+
+``QuantizedCache(config, "path/to/artifact")`` and every ``--kv`` option accept the directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..cache.codecs_calibrated import GroupExtras, PreRopeExtras
+from ..spec import CacheSpec, QuantSpec
+
+FORMAT = "kvsqueeze-calibration"
+VERSION = 1
+SPEC_FILE = "kvsqueeze_artifact.json"
+TENSORS_FILE = "tensors.safetensors"
+SIDE_KINDS = ("none", "plain", "group", "prerope")
+_QUANT_FIELDS = tuple(f.name for f in dataclasses.fields(QuantSpec) if f.name != "extras")
+
+
+@dataclass
+class Side:
+    """How one of keys/values of one layer is stored: a QuantSpec plus calibrated tensors.
+
+    kind "none" (full precision), "plain" (a QuantSpec, no tensors), "group" (SKVQ: ``perm`` [H, D] and/or
+    ``clip`` [H, D/group]), "prerope" (KVQuant-style keys: ``lo``, ``hi`` [H, D], optional ``codebook``).
+    """
+
+    kind: str
+    quant: QuantSpec
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        q = {k: getattr(self.quant, k) for k in _QUANT_FIELDS}
+        return {"kind": self.kind, "quant": q, "settings": self.settings, "tensors": sorted(self.tensors)}
+
+
+@dataclass
+class Artifact:
+    method: str
+    name: str
+    model: dict[str, Any]  # name, num_layers, num_kv_heads, head_dim, rope_theta
+    window: int
+    sinks: int
+    calibration: dict[str, Any]
+    settings: dict[str, Any]
+    layers: list[dict[str, Side]]  # per layer {"key": Side, "value": Side}
+    rope: dict[str, Any] = field(default_factory=dict)  # {"inv_freq": Tensor, "scaling": float}
+    path: str | None = None
+
+    # -------------------------------------------------------------------- cache spec
+    def _quant(self, side: Side) -> QuantSpec:
+        t = side.tensors
+        if side.kind in ("none", "plain"):
+            return side.quant
+        if side.kind == "group":
+            return dataclasses.replace(side.quant, extras=GroupExtras(t.get("perm"), t.get("clip")))
+        s = side.settings
+        ex = PreRopeExtras(t["lo"], t["hi"], self.rope["inv_freq"], self.rope["scaling"], t.get("codebook"),
+                           outliers=s["outliers"], bits=s["bits"], param_dtype=side.quant.param_dtype)
+        return dataclasses.replace(side.quant, extras=ex)
+
+    def cache_spec(self) -> CacheSpec:
+        """The CacheSpec a cache built from this artifact uses: one (key, value) QuantSpec per layer; the window,
+        sinks and flush size come from the artifact's top level."""
+        overrides = tuple((self._quant(lay["key"]), self._quant(lay["value"])) for lay in self.layers)
+        first = next((o for o in overrides if o[0].quantized or o[1].quantized), overrides[0])
+        return CacheSpec(key=first[0], value=first[1], window=self.window, sinks=self.sinks, name=self.name,
+                         meta={"artifact": self.path, "method": self.method, "model_layout": self.layout()},
+                         layer_overrides=overrides)
+
+    def layout(self) -> dict[str, int]:
+        return {k: int(self.model[k]) for k in ("num_layers", "num_kv_heads", "head_dim")}
+
+    def with_values_folded(self) -> Artifact:
+        """A copy whose value permutations are dropped: use it with a model folded by
+        :func:`kvsqueeze.calibrate.fold.fold_value_permutation`."""
+        layers = []
+        for lay in self.layers:
+            v = lay["value"]
+            t = {k: x for k, x in v.tensors.items() if k != "perm"}  # clip ratios follow the stored groups
+            layers.append({"key": lay["key"], "value": dataclasses.replace(v, tensors=t,
+                                                                           settings={**v.settings, "folded": True})})
+        return dataclasses.replace(self, layers=layers, name=self.name + "-vfolded", path=None,
+                                   settings={**self.settings, "values_folded": True})
+
+    # -------------------------------------------------------------------- files
+    def save(self, parent: str | Path, overwrite: bool = False) -> Path:
+        """Write ``parent/<name>/`` atomically (temporary directory, then rename); returns the directory."""
+        from safetensors.torch import save_file
+
+        parent = Path(parent).expanduser()
+        parent.mkdir(parents=True, exist_ok=True)
+        dest = parent / self.name
+        if dest.exists() and not overwrite:
+            raise ValueError(f"{dest} already exists; remove it or pass --overwrite")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=parent))
+        try:
+            tensors = {"rope.inv_freq": self.rope["inv_freq"].float().contiguous()}
+            for i, lay in enumerate(self.layers):
+                for side_name, side in lay.items():
+                    for tname, t in side.tensors.items():
+                        tensors[f"layers.{i}.{side_name}.{tname}"] = t.contiguous()
+            save_file(tensors, str(tmp / TENSORS_FILE))
+            doc = {"format": FORMAT, "version": VERSION, "name": self.name, "method": self.method,
+                   "model": self.model, "cache": {"window": self.window, "sinks": self.sinks},
+                   "rope": {"scaling": self.rope["scaling"]}, "calibration": self.calibration,
+                   "settings": self.settings,
+                   "layers": [{k: s.to_json() for k, s in lay.items()} for lay in self.layers],
+                   "tensor_shapes": {k: list(v.shape) for k, v in tensors.items()}}
+            (tmp / SPEC_FILE).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
+            if dest.exists():  # overwrite: move the old one aside first so the swap is quick
+                old = parent / f".{self.name}.old-{os.getpid()}"
+                os.replace(dest, old)
+                os.replace(tmp, dest)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.path = str(dest)
+        return dest
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def is_artifact_dir(x: Any) -> bool:
+    """Whether ``x`` names an existing directory (then it must be an artifact; loading says what is wrong)."""
+    if not isinstance(x, (str, Path)) or (isinstance(x, str) and (not x or x.lstrip().startswith("{"))):
+        return False
+    try:
+        return Path(x).expanduser().is_dir()
+    except OSError:
+        return False
+
+
+def load_artifact(path: str | Path) -> Artifact:
+    """Read and validate an artifact directory; ValueError naming the problem for anything missing or corrupt."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"calibration artifact not found: {p} is not a directory")
+    spec_path, tpath = p / SPEC_FILE, p / TENSORS_FILE
+    for f in (spec_path, tpath):
+        if not f.is_file():
+            raise ValueError(f"{p} is not a complete kvsqueeze calibration artifact: {f.name} is missing "
+                             f"(expected {SPEC_FILE} and {TENSORS_FILE}; write one with kvsqueeze calibrate)")
+    try:
+        doc = json.loads(spec_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"corrupt artifact {p}: {SPEC_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"{spec_path} is not a kvsqueeze calibration artifact (format {doc.get('format')!r} "
+                         f"if isinstance(doc, dict) else {type(doc).__name__})")
+    if doc.get("version") != VERSION:
+        raise ValueError(f"artifact {p} has version {doc.get('version')!r}; this kvsqueeze reads version {VERSION}")
+    try:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(tpath))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"corrupt artifact {p}: {TENSORS_FILE} cannot be read ({exc})") from None
+    try:
+        model = doc["model"]
+        layout = {k: int(model[k]) for k in ("num_layers", "num_kv_heads", "head_dim")}
+        layers = []
+        for i, lay in enumerate(doc["layers"]):
+            sides = {}
+            for side_name in ("key", "value"):
+                js = lay[side_name]
+                if js["kind"] not in SIDE_KINDS:
+                    raise ValueError(f"layer {i} {side_name}: unknown kind {js['kind']!r}; allowed: "
+                                     f"{', '.join(SIDE_KINDS)}")
+                t = {}
+                for tname in js.get("tensors", []):
+                    key = f"layers.{i}.{side_name}.{tname}"
+                    if key not in tensors:
+                        raise ValueError(f"tensor {key} is missing from {TENSORS_FILE}")
+                    t[tname] = tensors[key]
+                sides[side_name] = Side(js["kind"], QuantSpec(**js["quant"]), t, js.get("settings", {}))
+            layers.append(sides)
+        if len(layers) != layout["num_layers"]:
+            raise ValueError(f"{len(layers)} layer entries for a model with {layout['num_layers']} layers")
+        if "rope.inv_freq" not in tensors:
+            raise ValueError(f"tensor rope.inv_freq is missing from {TENSORS_FILE}")
+        art = Artifact(method=doc["method"], name=doc["name"], model=model, window=int(doc["cache"]["window"]),
+                       sinks=int(doc["cache"]["sinks"]), calibration=doc.get("calibration", {}),
+                       settings=doc.get("settings", {}), layers=layers,
+                       rope={"inv_freq": tensors["rope.inv_freq"], "scaling": float(doc["rope"]["scaling"])},
+                       path=str(p))
+        spec = art.cache_spec()  # builds every codec parameter object: shape errors surface here
+        check_overrides(spec, None)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"corrupt artifact {p}: {SPEC_FILE} lacks or mistypes an entry ({exc!r})") from None
+    return art
+
+
+def check_overrides(spec: CacheSpec, layout: Any | None) -> None:
+    """Check a calibrated spec against a model's KV layout (``kv_layout(config)``; None checks only internal
+    consistency): layer count, KV heads and head_dim must match the model the artifact was calibrated on."""
+    ov = spec.layer_overrides
+    if ov is None:
+        return
+    want = spec.meta.get("model_layout") or {}
+    heads, head_dim = want.get("num_kv_heads"), want.get("head_dim")
+    if layout is not None:
+        got = {"num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim}
+        if len(ov) != layout.num_layers or any(want.get(k) not in (None, v) for k, v in got.items()):
+            raise ValueError(f"calibration artifact {spec.name!r} was made for a model with {want} "
+                             f"(layers, KV heads, head_dim); this model has {got}: calibrate it for this model")
+        heads, head_dim = layout.num_kv_heads, layout.head_dim
+    for i, (k, v) in enumerate(ov):
+        for side, q in (("key", k), ("value", v)):
+            ex = q.extras
+            try:
+                if isinstance(ex, GroupExtras):
+                    g = head_dim if q.group is None else q.group
+                    ex.check(heads, head_dim, head_dim // g)
+                elif isinstance(ex, PreRopeExtras):
+                    ex.check(heads, head_dim)
+            except ValueError as exc:
+                raise ValueError(f"calibration artifact {spec.name!r}, layer {i} {side}: {exc}") from None

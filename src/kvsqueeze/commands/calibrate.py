@@ -1,0 +1,85 @@
+"""kvsqueeze calibrate: run a model on calibration text and write a calibration artifact directory."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvsqueeze.calibrate.api import METHOD_HELP, METHODS
+    from kvsqueeze.calibrate.clip import CLIP_MODES
+
+    p.add_argument("--method", required=True, choices=METHODS,
+                   help="; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items()))
+    p.add_argument("--model", default=None,
+                   help="model: a Hugging Face directory, a .gguf file or a hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="calibration corpus: a UTF-8 text file (its last 10%% is used)")
+    src.add_argument("--dataset", default=None, choices=["wikitext2"],
+                     help="calibration corpus: WikiText-2 test (its last 10%%; the default without --text/--generated)")
+    src.add_argument("--generated", action="store_true", help="calibrate on text the model samples itself")
+    p.add_argument("--samples", type=int, default=4, help="calibration sequences (default 4)")
+    p.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--start-fraction", type=float, default=None,
+                   help="where the calibration slice starts in the corpus tokens (default 0.9: the tail that "
+                        "kvsqueeze ppl never evaluates); earlier starts need --allow-overlap")
+    p.add_argument("--allow-overlap", action="store_true",
+                   help="accept a calibration slice overlapping the evaluation chunks (recorded in the artifact)")
+    p.add_argument("--key-bits", type=int, default=2, help="key code bits (default 2)")
+    p.add_argument("--value-bits", type=float, default=None,
+                   help="value bits: 1.5 (ternary, docs/calibrated.md), 1, 2, 3, 4, 8 (default: 1.5 for skvq and "
+                        "hybrid, the key bits for kvquant)")
+    p.add_argument("--key-group", type=int, default=32, help="SKVQ key group size in channels (default 32)")
+    p.add_argument("--value-group", type=int, default=32, help="value group size in channels (default 32)")
+    p.add_argument("--param-dtype", default="fp8-e4m3", choices=["fp8-e4m3", "fp16", "bf16", "fp32"],
+                   help="dtype of group scales/zeros (default fp8-e4m3 as SKVQ)")
+    p.add_argument("--no-reorder", action="store_true", help="SKVQ without channel reordering (ablation)")
+    p.add_argument("--clip", default="layer", choices=CLIP_MODES,
+                   help="clip-ratio search granularity (default layer; none = plain RTN ranges)")
+    p.add_argument("--outliers", type=int, default=1,
+                   help="KVQuant keys: channels per token and head kept exactly (default 1 = 1/64 of values)")
+    p.add_argument("--nuq", action="store_true", help="KVQuant keys: non-uniform per-layer codebooks")
+    p.add_argument("--window", type=int, default=128, help="full-precision window of the artifact (default 128)")
+    p.add_argument("--sinks", type=int, default=4, help="full-precision sink tokens (default 4)")
+    p.add_argument("--out", required=True, help="parent folder: the artifact is written to OUT/<name of settings>")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing artifact of the same name")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --generated sampling (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from kvsqueeze.calibrate.api import CalibrationSettings, calibrate
+    from kvsqueeze.calibrate.collect import corpus_samples, generated_samples
+    from kvsqueeze.eval import corpus as corpus_mod
+    from kvsqueeze.eval import meta
+
+    start = time.perf_counter()
+    value_bits = args.value_bits if args.value_bits is not None else (
+        float(args.key_bits) if args.method == "kvquant" else 1.5)
+    settings = CalibrationSettings(  # bad settings fail here, before the model is loaded
+        method=args.method, key_bits=args.key_bits, value_bits=value_bits, key_group=args.key_group,
+        value_group=args.value_group, param_dtype=args.param_dtype, reorder=not args.no_reorder, clip=args.clip,
+        outliers=args.outliers, nuq=args.nuq, window=args.window, sinks=args.sinks)
+    corpus = None if args.generated else corpus_mod.resolve_corpus(args.text, args.dataset)
+    model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    progress = not args.quiet
+    if corpus is None:
+        data = generated_samples(model, tokenizer, args.samples, args.length, seed=args.seed, progress=progress)
+    else:
+        data = corpus_samples(corpus, tokenizer, args.samples, args.length, args.start_fraction, args.allow_overlap)
+    model_name = Path(args.model).stem if args.model else "smollm2-135m"
+    art = calibrate(model, data, settings, model_name=model_name, progress=progress)
+    art.calibration["command"] = meta.command_line(args)
+    art.calibration["threads"] = threads
+    path = art.save(args.out, overwrite=args.overwrite)
+    src = data.provenance
+    print(f"kvsqueeze calibrate: {settings.method} on {src['samples']} x {src['length']} tokens "
+          f"({src['source']}{', sha256 ' + src['sha256'][:12] if 'sha256' in src else ''}) "
+          f"in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {path}  (use it as --kv {path})")
+    return 0
