@@ -1,0 +1,168 @@
+"""A static-shape forward of a Llama-family model, written for export to a static graph.
+
+HF's generic forward builds masks and caches dynamically; this module reuses the model's own weights and
+sub-modules (embedding, RMSNorms, q/k/v/o projections, rotary embedding, MLP, LM head) but computes attention
+itself over fixed shapes, so the traced graph has no data-dependent control flow:
+
+* ``prefill``: ``input_ids``/``attention_mask``/``position_ids`` ``[B, S-1]`` (a left-padded prompt) ->
+  last-position logits ``[B, vocab]`` and every position's K and V for the window, per layer.
+* ``decode``: ``input_ids``/``position_ids`` ``[B, 1]``, ``attention_mask`` ``[B, S]`` and the past window per
+  layer -> logits ``[B, vocab]`` and the new token's K and V per layer.
+
+K/V tensors use the manager's layout: ``"token"`` ``[T, B, H, D]`` (the graph transposes) or ``"head"``
+``[B, H, T, D]``.  With a :class:`StaticKVQuant` the past inputs are codes that the graph dequantizes, and the
+new K/V leave the graph already quantized with the same fixed parameters.  Attention inside one call uses the
+exact float K/V of the tokens computed in that call, and the stored (dequantized) K/V of the past, which is what
+kvsqueeze's own quantized cache does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache.static import LAYOUTS, StaticKVQuant
+
+MODES = ("prefill", "decode")
+
+
+def _check_llama_like(model: nn.Module) -> None:
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or any(not hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
+        raise ValueError(
+            f"static export supports Llama-family causal LMs (model.model.{{{', '.join(needed)}}} and lm_head); "
+            f"got {type(model).__name__}"
+        )
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        raise ValueError("static export does not support sliding-window attention layers")
+
+
+class StaticStep(nn.Module):
+    """One static-shape call (``mode`` "prefill" or "decode") of ``model`` with a window of ``max_len - 1``."""
+
+    def __init__(self, model: nn.Module, max_len: int, mode: str = "decode", *, layout: str = "token",
+                 quant: StaticKVQuant | None = None) -> None:
+        super().__init__()
+        _check_llama_like(model)
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
+            raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
+        cfg = model.config
+        self.model, self.mode, self.layout, self.quant = model, mode, layout, quant
+        self.window = max_len - 1
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.groups = self.n_heads // self.n_kv
+        self.scaling = self.head_dim ** -0.5
+        if mode == "prefill":  # fixed [S-1, S-1] masks as graph constants (ORT has no bool EyeLike kernel)
+            t = self.window
+            self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril(), persistent=False)
+            self.register_buffer("eye", torch.eye(t, dtype=torch.bool), persistent=False)
+        if quant is not None:
+            if quant.n_layers != self.n_layers:
+                raise ValueError(f"quantization parameters are for {quant.n_layers} layers, model has {self.n_layers}")
+            quant.stored_dim(self.head_dim)
+            for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+                a = torch.from_numpy(getattr(quant, name).copy())
+                if a.shape[1:] not in ((self.n_kv, self.head_dim), (1, 1)):
+                    raise ValueError(f"{name} has shape {tuple(a.shape)}, expected per-channel "
+                                     f"{(self.n_layers, self.n_kv, self.head_dim)} or per-tensor")
+                self.register_buffer(name, a[:, :, None, :], persistent=False)  # [L, H, 1, D] for [B, H, T, D]
+
+    # ------------------------------------------------------------------ quantization (same math as the numpy ref)
+    def _quantize(self, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+        scale, zero = getattr(self, f"{kind}_scale")[layer], getattr(self, f"{kind}_zero")[layer]
+        lo, hi = self.quant.qrange
+        q = torch.clamp(torch.round(x / scale) + zero, lo, hi)
+        if self.quant.bits == 4:
+            q = q[..., 0::2] + 16 * q[..., 1::2]
+        return q.to(torch.int8 if self.quant.storage_dtype.kind == "i" else torch.uint8)
+
+    def _dequantize(self, q: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+        scale, zero = getattr(self, f"{kind}_scale")[layer], getattr(self, f"{kind}_zero")[layer]
+        c = q.to(torch.float32)
+        if self.quant.bits == 4:
+            high = torch.floor(c / 16)
+            c = torch.stack([c - 16 * high, high], dim=-1).reshape(*c.shape[:-1], self.head_dim)
+        return (c - zero) * scale
+
+    # ------------------------------------------------------------------ layout helpers ([B, H, T, D] inside)
+    def _to_store(self, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+        if self.quant is not None:
+            x = self._quantize(x, kind, layer)
+        return x.permute(2, 0, 1, 3) if self.layout == "token" else x
+
+    def _from_store(self, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
+        if self.layout == "token":
+            x = x.permute(1, 2, 0, 3)
+        return self._dequantize(x, kind, layer) if self.quant is not None else x
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)
+        cos, sin = inner.rotary_emb(x, position_ids)  # [B, T, D], the model's own RoPE (scaling included)
+        cos, sin = cos[:, None], sin[:, None]
+        bias = self._mask_bias(attention_mask, x.dtype)
+        outs: list[torch.Tensor] = []
+        for i, layer in enumerate(inner.layers[: self.n_layers]):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            b, t, _ = h.shape
+            q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            if self.mode == "prefill":
+                o = self._attend_prompt(q, k, v, bias)
+            else:
+                pk, pv = self._from_store(past[2 * i], "k", i), self._from_store(past[2 * i + 1], "v", i)
+                o = self._attend_step(q, k, v, pk, pv, bias)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            outs += [self._to_store(k, "k", i), self._to_store(v, "v", i)]
+        logits = self.model.lm_head(inner.norm(x[:, -1]))
+        return (logits, *outs)
+
+    def _mask_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive bias: 0 where attended, the dtype's minimum elsewhere (finite, so no NaN from a masked row)."""
+        neg = torch.finfo(dtype).min
+        keep = mask.to(torch.bool)
+        if self.mode == "prefill":
+            # a padded query still sees itself, so its softmax row is well defined (its output is never used)
+            keep = (keep[:, None, :] & self.causal[None]) | self.eye[None]  # [B, T, T]
+            return torch.where(keep, 0.0, neg).to(dtype)[:, None, None]  # [B, 1, 1, T, T]
+        return torch.where(keep, 0.0, neg).to(dtype)[:, None, None, :]  # [B, 1, 1, S]
+
+    def _attend_prompt(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        b, _, t, d = q.shape
+        qg = q.view(b, self.n_kv, self.groups, t, d)  # query head h*G+g uses KV head h (as repeat_kv does)
+        s = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * self.scaling + bias
+        p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+        o = torch.matmul(p, v[:, :, None])  # [B, Hkv, G, T, D]
+        return o.permute(0, 3, 1, 2, 4).reshape(b, t, self.n_heads * d)
+
+    def _attend_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor,
+                     bias: torch.Tensor) -> torch.Tensor:
+        # No concat of past and new K/V (that would copy the window inside the graph): score them apart.
+        b, _, _, d = q.shape
+        qg = q.view(b, self.n_kv, self.groups, d)
+        s_past = torch.matmul(qg, pk.transpose(-1, -2))  # [B, Hkv, G, S-1]
+        s_new = (qg * k).sum(-1, keepdim=True)  # k: [B, Hkv, 1, D] -> [B, Hkv, G, 1]
+        s = torch.cat([s_past, s_new], dim=-1) * self.scaling + bias
+        p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+        o = torch.matmul(p[..., : self.window], pv) + p[..., self.window:] * v
+        return o.reshape(b, 1, self.n_heads * d)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
