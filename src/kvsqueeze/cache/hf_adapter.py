@@ -264,10 +264,6 @@ class QuantizedCache(Cache):
         spec.check_head_dim(layout.head_dim)  # bad settings fail before anything is allocated
         if spec.layer_overrides is not None:
             check_overrides(spec, layout)  # artifact of another model: ValueError before allocation
-        calibrated = spec.layer_overrides is not None or any(
-            q.extras is not None or q.fmt == "ternary" for q in (spec.key, spec.value))
-        if calibrated and backend == "auto":  # the fused kernels do not know the calibrated codecs yet
-            backend = "torch"
         self.spec, self.layout, self._config = spec, layout, config
         step = StepTracker(lambda: [layer.kv for layer in self.layers])
         layers = []

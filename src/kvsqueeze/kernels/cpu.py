@@ -78,21 +78,27 @@ def available() -> bool:
     return load_extension() is not None
 
 
+def supports(layer) -> bool:
+    """Exact codec types only: calibrated codecs (permuted channels, pre-RoPE keys, ternary) use the reference."""
+    return layer.store is None or all(type(c) in _KNOWN for c in layer.store.codecs.values())
+
+
 def _fmt(codec: Codec) -> list[int]:
     """The six ints describing a codec to the kernel: kind, bits, group, symmetric, fp8 variant, fixed scale."""
-    if isinstance(codec, FullCodec):
+    if type(codec) is FullCodec:
         return [_FP, 16, 1, 0, 0, 0]
     s = codec.spec
-    if isinstance(codec, IntTokenCodec):
+    if type(codec) is IntTokenCodec:
         return [_INT_TOKEN, s.bits, codec.group, int(s.symmetric), 0, 0]
-    if isinstance(codec, IntChannelCodec):
+    if type(codec) is IntChannelCodec:
         return [_INT_CHANNEL, s.bits, codec.group, int(s.symmetric), 0, 0]
-    if isinstance(codec, Fp8Codec):
+    if type(codec) is Fp8Codec:
         return [_FP8, 8, 1, 0, int(s.fmt == "fp8-e5m2"), int(s.fp8_scale != "token")]
     raise TypeError(f"no fused kernel for codec {type(codec).__name__}")
 
 
 _EMPTY = torch.empty(0)
+_KNOWN = (FullCodec, IntTokenCodec, IntChannelCodec, Fp8Codec)
 
 
 def _side_parts(codec: Codec, parts: dict[str, torch.Tensor], side: str) -> list[torch.Tensor]:
@@ -144,7 +150,7 @@ def packed_segments(layer) -> tuple[list[torch.Tensor], list[int], list[int], li
 def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything ``layer`` stores plus its pending tokens."""
     ext = load_extension()
-    if ext is None or query.device.type != "cpu" or query.shape[2] > MAX_QUERIES:
+    if ext is None or query.device.type != "cpu" or query.shape[2] > MAX_QUERIES or not supports(layer):
         return reference_attend_layer(query, layer, mask, scaling)
     parts, pos, num, new, fmt, fmts = packed_segments(layer)
     if not pos:
