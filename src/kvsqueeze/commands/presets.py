@@ -19,4 +19,10 @@ def run(args: argparse.Namespace) -> int:
         vb = bits_per_element(spec.value, args.head_dim) if spec.value.quantized else 16.0
         print(f"{name:<14} {kb:>9.3f} {vb:>9.3f} {spec.window:>6} {spec.sinks:>5}  {spec.label()}")
     print("bits/element include every scale and zero-point; unquantized parts are counted as 16-bit here.")
+    print()
+    print("peers (transformers' own caches, selectable with --kv wherever a preset is):")
+    from kvsqueeze.eval.peers import PEER_INSTALL_HINT, PEERS
+
+    for name, peer in PEERS.items():
+        print(f"{name:<22} {peer.description}" + ("" if peer.available else f"  [needs {PEER_INSTALL_HINT}]"))
     return 0

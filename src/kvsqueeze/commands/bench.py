@@ -1,0 +1,64 @@
+"""kvsqueeze bench: the main job - every preset and peer measured side by side, one report."""
+
+from __future__ import annotations
+
+import argparse
+
+from .ppl import add_model_arguments
+
+
+def _csv(kind):
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--quick", action="store_true",
+                   help="small sizes and fewer caches: under 10 minutes on 2 cores with the embedded model")
+    p.add_argument("--kv", type=_csv(str), default=None,
+                   help="comma-separated caches to measure instead of the default presets and peers")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="perplexity corpus: a UTF-8 text file")
+    src.add_argument("--dataset", default=None, choices=["wikitext2"], help="perplexity corpus (default wikitext2)")
+    p.add_argument("--out", default="bench", help="reports go to OUT/<timestamp>/ (default bench)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    size = p.add_argument_group("sizes (override the --quick / full defaults)")
+    size.add_argument("--ppl-context", type=int, default=None, help="tokens per perplexity chunk")
+    size.add_argument("--ppl-chunks", type=int, default=None, help="perplexity chunks")
+    size.add_argument("--ppl-decode-tokens", type=int, default=None,
+                      help="tokens decoded one at a time at the end of each chunk (decode column)")
+    size.add_argument("--lengths", default=None, help="retrieval lengths, e.g. 1k,2k")
+    size.add_argument("--depths", default=None, help="retrieval depths, e.g. 0,0.5,1")
+    size.add_argument("--trials", type=int, default=None, help="retrieval trials per (length, depth)")
+    size.add_argument("--speed-contexts", type=_csv(int), default=None, help="two speed contexts, e.g. 1024,8192")
+    size.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed per speed context")
+    size.add_argument("--retrieval-format", default=None, choices=["plain", "chat"], help="passkey prompt format")
+    p.add_argument("--exact-decode", action="store_true",
+                   help="measure the decode column of kvsqueeze presets by real token-by-token decoding (slow) "
+                        "instead of the window protocol with the same prefix (equal, and one pass per chunk)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvsqueeze.eval.bench import make_plan, run_bench
+    from kvsqueeze.eval.retrieval import parse_depths, parse_lengths
+
+    plan = make_plan(
+        args.quick, args.kv,
+        ppl_context=args.ppl_context, ppl_chunks=args.ppl_chunks, ppl_decode_tokens=args.ppl_decode_tokens,
+        lengths=parse_lengths(args.lengths) if args.lengths else None,
+        depths=parse_depths(args.depths) if args.depths else None,
+        trials=args.trials, speed_contexts=args.speed_contexts, speed_decode_tokens=args.decode_tokens,
+        retrieval_format=args.retrieval_format, exact_decode=args.exact_decode or None,
+    )
+    folder = run_bench(args, plan, Path(args.out), progress=not args.no_progress)
+    table = (folder / "report.md").read_text(encoding="utf-8").split("## Results", 1)[1].split("How to read", 1)[0]
+    print(table.strip())
+    print(f"wrote {folder}/report.md, results.json and plots")
+    return 0

@@ -1,0 +1,82 @@
+"""kvsqueeze ppl: perplexity of a preset or peer under a stated protocol, with a complete JSON record."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_THREADS = 2
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model and --threads, shared by the evaluation commands."""
+    p.add_argument("--model", default=None,
+                   help="model: a Hugging Face directory, a .gguf file or a hub id (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"torch CPU threads, fixed for the whole run (default {DEFAULT_THREADS})")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv", required=True,
+                   help="cache: a preset (kvsqueeze presets), a spec string, or a peer such as hf-dynamic, "
+                        "hf-quanto-int4")
+    add_model_arguments(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="corpus: a UTF-8 text file")
+    src.add_argument("--dataset", default=None, choices=["wikitext2"],
+                     help="corpus: wikitext2 from $KVSQUEEZE_DATA/wikitext-2-raw/wiki.test.raw or the hub "
+                          "(the default when --text is not given)")
+    p.add_argument("--context", type=int, default=1024, help="tokens per chunk (default 1024)")
+    p.add_argument("--chunks", type=int, default=4, help="consecutive chunks from the corpus start (default 4)")
+    p.add_argument("--protocol", default=None, choices=["decode", "window", "all-quantized"],
+                   help="which K/V each scored token sees (default: window for presets, decode for peers, "
+                        "which only decode can measure)")
+    p.add_argument("--prefix", type=int, default=None,
+                   help="tokens prefilled exactly before scoring (default: context/2 for decode, 0 for window)")
+    p.add_argument("--json", default=None, help="write the full result here (written atomically at the end)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from kvsqueeze.eval import corpus as corpus_mod
+    from kvsqueeze.eval import meta
+    from kvsqueeze.eval.peers import Peer, check_kv
+    from kvsqueeze.eval.ppl import check_protocol, default_prefix, run_ppl
+
+    start = time.perf_counter()
+    # everything that can be checked without the model fails here, before anything is loaded
+    kv = check_kv(args.kv)
+    protocol = args.protocol or ("decode" if isinstance(kv, Peer) else "window")
+    prefix = default_prefix(protocol, args.context) if args.prefix is None else args.prefix
+    check_protocol(kv, protocol, prefix, args.context)
+    if args.chunks < 1:
+        raise ValueError(f"--chunks must be at least 1, got {args.chunks}")
+    corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
+    model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    meta.check_context(model, args.context, "--context")
+    ids = corpus_mod.tokenize(corpus, tokenizer)
+    chunks = corpus_mod.eval_chunks(ids, args.context, args.chunks)
+    print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}), {args.chunks} x {args.context} "
+          f"tokens of {corpus.name}, {threads} threads")
+    res = run_ppl(model, chunks, args.kv, protocol, prefix)
+    wall = time.perf_counter() - start
+    b = res["kv_bytes"]
+    bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
+    print(f"ppl {res['ppl']:.4f} over {res['tokens_scored']} tokens ({res['scored_positions']}); "
+          f"{bits} bits/element with all metadata, {b['bytes_per_token']:.0f} KV bytes/token; "
+          f"{wall:.1f} s")
+    if args.json:
+        record = {
+            **res,
+            "model": meta.model_info(model, args.model),
+            "corpus": {**corpus.describe(), "tokens": int(ids.numel()),
+                       "evaluated_fraction_limit": corpus_mod.MAX_EVAL_FRACTION},
+            "threads": threads,
+            "wall_seconds": wall,
+            "command": meta.command_line(args),
+            "date": meta.now(),
+            "machine": meta.machine_info(),
+        }
+        print(f"wrote {meta.write_json_atomic(args.json, record)}")
+    return 0

@@ -1,0 +1,47 @@
+"""kvsqueeze speed: prefill time, decode milliseconds per token and memory of one cache."""
+
+from __future__ import annotations
+
+import argparse
+
+from .ppl import add_model_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv", required=True, help="cache: a preset, a spec string, or a peer such as hf-dynamic")
+    add_model_arguments(p)
+    p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids) (default 1024)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed (default 32)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    p.add_argument("--json", default=None, help="write the result here (atomically, at the end)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from kvsqueeze.eval import meta
+    from kvsqueeze.eval.peers import check_kv, describe
+    from kvsqueeze.eval.speed import lifetime_max_rss, measure_speed
+
+    start = time.perf_counter()
+    check_kv(args.kv)
+    for what, v in (("--context", args.context), ("--decode-tokens", args.decode_tokens), ("--batch", args.batch)):
+        if v < 1:
+            raise ValueError(f"{what} must be at least 1, got {v}")
+    model, _, threads = meta.load_for_eval(args.model, args.threads)
+    meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
+    print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
+          f"steps, {threads} threads")
+    r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch)
+    b = r["kv_bytes"]
+    bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
+    print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
+          f"{r['decode_ms_per_token']:.2f} ms/token (median of {args.decode_tokens}); peak RSS "
+          f"{r['peak_rss_bytes'] / 2**20:.0f} MiB (+{r['peak_rss_delta_bytes'] / 2**20:.0f} MiB during the run); "
+          f"KV {b['total'] / 2**20:.2f} MiB = {bits} bits/element, {b['bytes_per_token']:.0f} bytes/token")
+    if args.json:
+        record = {**r, "cache": describe([args.kv])[0], "lifetime_max_rss_bytes": lifetime_max_rss(),
+                  "model": meta.model_info(model, args.model), "wall_seconds": time.perf_counter() - start,
+                  "command": meta.command_line(args), "date": meta.now(), "machine": meta.machine_info()}
+        print(f"wrote {meta.write_json_atomic(args.json, record)}")
+    return 0

@@ -1,0 +1,270 @@
+"""The main job: perplexity, retrieval, speed and memory of kvsqueeze presets and transformers' caches, measured
+in one run on one model, written as report.md + results.json + PNG plots under bench/<timestamp>/."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from . import meta, report
+from .peers import PEERS, Peer, check_kv, describe
+
+QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
+QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
+FULL_PRESETS = ("full", "int8", "fp8-e4m3", "int4", "int2", "kivi-4", "kivi-3", "kivi-2", "kivi-4-sink4",
+                "kivi-3-sink4", "kivi-2-sink4")
+FULL_PEERS = tuple(PEERS)
+
+
+@dataclass
+class BenchPlan:
+    quick: bool
+    caches: list[str]
+    ppl_context: int
+    ppl_chunks: int
+    ppl_decode_tokens: int  # tokens scored one step at a time at the end of each chunk (decode column)
+    lengths: list[int]
+    depths: list[float]
+    trials: int
+    speed_contexts: list[int]
+    speed_decode_tokens: int
+    retrieval_format: str = "plain"
+    exact_decode: bool = False  # decode column of kvsqueeze presets by real decoding instead of the window
+    skipped: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("skipped")
+        return d
+
+
+def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) -> BenchPlan:
+    """Default sizes for --quick (< 10 min on 2 cores with the embedded model) or the full run, then overrides.
+
+    Caches named explicitly must all be usable; from the default list, peers whose optional library is
+    missing are skipped with a note."""
+    if quick:
+        plan = BenchPlan(True, [*QUICK_PRESETS, *QUICK_PEERS], ppl_context=512, ppl_chunks=2, ppl_decode_tokens=128,
+                         lengths=[1024], depths=[0.0, 0.5, 1.0], trials=1, speed_contexts=[512, 2048],
+                         speed_decode_tokens=8)
+    else:
+        plan = BenchPlan(False, [*FULL_PRESETS, *FULL_PEERS], ppl_context=2048, ppl_chunks=8, ppl_decode_tokens=256,
+                         lengths=[1024, 2048, 4096, 8192], depths=[0.0, 0.25, 0.5, 0.75, 1.0], trials=1,
+                         speed_contexts=[1024, 8192], speed_decode_tokens=16)
+    for key, value in overrides.items():
+        if value is not None:
+            setattr(plan, key, value)
+    if caches is not None:
+        for name in caches:
+            check_kv(name)
+        plan.caches = list(dict.fromkeys(caches))
+    else:
+        usable = []
+        for name in plan.caches:
+            try:
+                check_kv(name)
+                usable.append(name)
+            except ValueError as exc:
+                plan.skipped.append(f"{name}: {exc}")
+        plan.caches = usable
+    _validate(plan)
+    return plan
+
+
+def _validate(plan: BenchPlan) -> None:
+    if not plan.caches:
+        raise ValueError("no cache to measure")
+    if len(plan.speed_contexts) < 1 or min(plan.speed_contexts) < 1:
+        raise ValueError("speed contexts must be positive token counts")
+    for what, v in (("--ppl-context", plan.ppl_context), ("--ppl-chunks", plan.ppl_chunks),
+                    ("--trials", plan.trials), ("--decode-tokens", plan.speed_decode_tokens)):
+        if v < 1:
+            raise ValueError(f"{what} must be positive, got {v}")
+    if not 1 <= plan.ppl_decode_tokens <= plan.ppl_context - 2:
+        raise ValueError(f"--ppl-decode-tokens must be in [1, {plan.ppl_context - 2}], got {plan.ppl_decode_tokens}")
+
+
+# ------------------------------------------------------------------------------------------------ estimate
+def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
+    """Expected wall time from a short calibration on this machine (a 256-token prefill, a few decode steps).
+
+    Prefill cost grows ~linearly plus an attention term, decode steps grow with the context; emulated
+    protocols and quantized caches carry rough overhead factors.  An estimate, printed as such."""
+    import statistics
+
+    import torch
+
+    from .peers import make_cache, prefill
+
+    ids = torch.randint(0, model.get_output_embeddings().weight.shape[0], (1, 264))
+    with torch.no_grad():
+        model.base_model(input_ids=ids[:, :8], use_cache=False)
+        t = time.perf_counter()
+        cache = make_cache(model, "hf-dynamic")
+        prefill(model, ids[:, :256], cache)
+        per_token = (time.perf_counter() - t) / 256
+        steps = []
+        for i in range(4):
+            t = time.perf_counter()
+            model.base_model(input_ids=ids[:, 256 + i:257 + i], past_key_values=cache, use_cache=True)
+            steps.append(time.perf_counter() - t)
+    step = statistics.median(steps)
+
+    def pre(n: int) -> float:
+        return per_token * n * (1 + n / 4096) / (1 + 256 / 4096)
+
+    def dec(n: int) -> float:
+        return step * (1 + n / 3300) / (1 + 256 / 3300)
+
+    def factor(name: str) -> float:
+        kv = check_kv(name)
+        return 1.0 if (isinstance(kv, Peer) and kv.backend == "dynamic") else 2.0
+
+    total = 0.0
+    for name in plan.caches:
+        f = factor(name)
+        peer = isinstance(check_kv(name), Peer)
+        if with_ppl:
+            n, c = plan.ppl_context, plan.ppl_chunks
+            decode = c * (pre(n - plan.ppl_decode_tokens) + f * plan.ppl_decode_tokens * dec(n))
+            if peer:
+                total += decode
+            else:  # emulated passes cost about two plain ones; two footprint prefills
+                total += c * 2 * 2.0 * pre(n) + 2 * pre(n) + (decode if plan.exact_decode else c * 2.0 * pre(n))
+        for length in plan.lengths:
+            total += len(plan.depths) * plan.trials * (pre(length) + 8 * f * dec(length))
+        for n in plan.speed_contexts:
+            total += pre(n) + plan.speed_decode_tokens * f * dec(n)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def _bar(total: int, desc: str, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+
+
+def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> dict[str, dict[str, Any]]:
+    from .ppl import run_ppl
+
+    out: dict[str, dict[str, Any]] = {"window": {}, "all-quantized": {}, "decode": {}}
+    footprints: dict[str, dict[str, Any]] = {}
+    prefix = plan.ppl_context - plan.ppl_decode_tokens
+    n = plan.ppl_chunks
+    peers = [c for c in plan.caches if isinstance(check_kv(c), Peer)]
+    ours = [c for c in plan.caches if c not in peers]
+    with _bar(n * (3 * len(ours) + len(peers)), "perplexity", progress) as bar:
+        for name in ours:
+            bar.set_postfix_str(name)
+            out["window"][name] = run_ppl(model, chunks, name, "window", 0, bar, footprints)
+            out["all-quantized"][name] = run_ppl(model, chunks, name, "all-quantized", 0, bar, footprints)
+            if plan.exact_decode:
+                out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar)
+            else:
+                r = run_ppl(model, chunks, name, "window", prefix, bar, footprints)
+                r["emulated_by"] = f"window protocol with prefix {prefix} (equal to decode through the real cache)"
+                out["decode"][name] = r
+        for name in peers:
+            bar.set_postfix_str(name)
+            out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar)
+    return out
+
+
+def run_retrieval_stage(model: Any, tokenizer: Any, plan: BenchPlan, progress: bool) -> dict[str, dict[str, Any]]:
+    from .retrieval import run_retrieval
+
+    out = {}
+    per = len(plan.lengths) * len(plan.depths) * plan.trials
+    with _bar(per * len(plan.caches), "retrieval", progress) as bar:
+        for name in plan.caches:
+            bar.set_postfix_str(name)
+            out[name] = run_retrieval(model, tokenizer, name, plan.lengths, plan.depths, plan.trials,
+                                      plan.retrieval_format, progress=bar)
+    return out
+
+
+def run_speed_stage(model: Any, plan: BenchPlan, progress: bool) -> dict[str, dict[str, Any]]:
+    from .speed import measure_speed
+
+    out: dict[str, dict[str, Any]] = {}
+    with _bar(len(plan.caches) * len(plan.speed_contexts), "speed", progress) as bar:
+        for name in plan.caches:
+            bar.set_postfix_str(name)
+            out[name] = {}
+            for ctx in sorted(plan.speed_contexts):
+                out[name][str(ctx)] = measure_speed(model, name, ctx, plan.speed_decode_tokens)
+                bar.update(1)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True) -> Path:
+    """Run every stage and write the report folder; returns its path (complete, or absent on failure)."""
+    from . import corpus as corpus_mod
+
+    start = time.perf_counter()
+    model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
+                    ("speed context", max(plan.speed_contexts))):
+        meta.check_context(model, n, what)
+    print(f"kvsqueeze bench{' --quick' if plan.quick else ''}: {len(plan.caches)} caches "
+          f"({', '.join(plan.caches)}), {threads} threads")
+    for note in plan.skipped:
+        print(f"  skipped {note}")
+    corpus, chunks, corpus_missing = None, None, ""
+    try:
+        corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
+        ids = corpus_mod.tokenize(corpus, tokenizer)
+        chunks = corpus_mod.eval_chunks(ids, plan.ppl_context, plan.ppl_chunks)
+    except corpus_mod.CorpusUnavailable as exc:
+        corpus_missing = str(exc)
+        print(f"  perplexity skipped: {exc}")
+        plan.skipped.append(f"perplexity: {exc}")
+    expected = estimate_seconds(plan, model, chunks is not None)
+    print(f"  expected time: about {expected / 60:.0f} min on this machine ({threads} threads; estimated from "
+          f"a short calibration run)")
+
+    results: dict[str, Any] = {"config": plan.as_dict(), "caches": []}
+    kinds = describe(plan.caches)
+    results["caches"] = kinds
+    if chunks is not None:
+        results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
+    results["retrieval"] = run_retrieval_stage(model, tokenizer, plan, progress)
+    results["speed"] = run_speed_stage(model, plan, progress)
+    results["skipped"] = plan.skipped
+    results["meta"] = {
+        "command": meta.command_line(args), "date": meta.now(), "threads": threads,
+        "machine": meta.machine_info(), "model": meta.model_info(model, args.model),
+        "corpus": None if corpus is None else {**corpus.describe(), "tokens": int(ids.numel())},
+        "corpus_missing": corpus_missing, "expected_seconds": expected,
+        "wall_seconds": time.perf_counter() - start,
+    }
+    return write_report(results, out_root)
+
+
+def write_report(results: dict[str, Any], out_root: Path) -> Path:
+    """report.md, results.json and the plots, written into a hidden folder renamed into place at the end."""
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    final = out_root / stamp
+    k = 1
+    while final.exists():
+        final, k = out_root / f"{stamp}-{k}", k + 1
+    tmp = out_root / f".{final.name}.partial"
+    tmp.mkdir(parents=True, exist_ok=False)
+    try:
+        plots = report.write_plots(results, tmp)
+        (tmp / "report.md").write_text(report.markdown(results, plots), encoding="utf-8")
+        meta.write_json_atomic(tmp / "results.json", results)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

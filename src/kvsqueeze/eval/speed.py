@@ -1,0 +1,130 @@
+"""Prefill time, decode milliseconds per token and peak memory of one cache at one context length.
+
+Decoding is timed step by step through ``model(input_ids=next, past_key_values=cache)`` (not ``generate``), so
+each step's time is the model plus the cache and nothing else.  Peak resident memory is reset before the
+measurement where Linux allows it (``/proc/self/clear_refs``), so each measurement reports its own peak
+rather than the process's lifetime maximum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class PeakRSS:
+    """Peak resident set size inside a ``with`` block, in bytes (``peak``), and the RSS at its start (``start``).
+
+    Linux: the kernel's high-water mark (VmHWM) reset on entry.  Elsewhere: RSS sampled every 2 ms."""
+
+    def __init__(self) -> None:
+        self.start = self.peak = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        _release_free_memory()
+        proc = psutil.Process()
+        self.start = proc.memory_info().rss
+        try:
+            _CLEAR_REFS.write_text("5")  # resets VmHWM to the current RSS
+            self.method = "VmHWM (kernel high-water mark, reset before the measurement)"
+        except OSError:
+            self.method = "RSS sampled every 2 ms"
+            self.peak = self.start
+            self._thread = threading.Thread(target=self._sample, args=(proc,), daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self, proc: psutil.Process) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, proc.memory_info().rss)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, psutil.Process().memory_info().rss)
+        else:
+            self.peak = _vm_hwm()
+
+
+def _release_free_memory() -> None:
+    """Hand memory freed by earlier measurements back to the OS, so it cannot hide this measurement's peak
+    (glibc keeps freed heap pages mapped; other platforms: garbage collection only)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _vm_hwm() -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("VmHWM not found in /proc/self/status")
+
+
+def lifetime_max_rss() -> int:
+    """The process's lifetime peak RSS in bytes (getrusage; kilobytes on Linux)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextlib.contextmanager
+def _timer(out: list[float]) -> Iterator[None]:
+    t = time.perf_counter()
+    yield
+    out.append(time.perf_counter() - t)
+
+
+@torch.no_grad()
+def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: int = 1,
+                  seed: int = 0) -> dict[str, Any]:
+    """Prefill a ``context``-token random prompt (``batch`` rows) into a fresh cache, then ``decode_tokens``
+    greedy steps; returns times, memory and the cache's bytes."""
+    from .peers import footprint, make_cache, prefill
+
+    if context < 1 or decode_tokens < 1 or batch < 1:
+        raise ValueError("context, decode tokens and batch must all be positive")
+    vocab = model.get_output_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, context), generator=g)
+    head = model.get_output_embeddings()
+    model.base_model(input_ids=ids[:, :8], use_cache=False)  # warm-up: one-off allocations and kernel choice
+    cache = make_cache(model, kv)
+    prefill_s: list[float] = []
+    steps: list[float] = []
+    with PeakRSS() as mem:
+        with _timer(prefill_s):
+            nxt = head(prefill(model, ids, cache)).argmax(-1, keepdim=True)
+        for _ in range(decode_tokens):
+            with _timer(steps):
+                h = model.base_model(input_ids=nxt, past_key_values=cache, use_cache=True).last_hidden_state
+                nxt = head(h[:, -1]).argmax(-1, keepdim=True)
+    kv_bytes = footprint(cache)
+    return {
+        "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch,
+        "prefill_s": prefill_s[0],
+        "prefill_tokens_per_s": batch * context / prefill_s[0],
+        "decode_ms_per_token": 1000 * statistics.median(steps),
+        "decode_ms_steps": [round(1000 * s, 3) for s in steps],
+        "peak_rss_bytes": mem.peak, "rss_before_bytes": mem.start, "peak_rss_delta_bytes": mem.peak - mem.start,
+        "peak_rss_method": mem.method,
+        "kv_bytes": kv_bytes.as_dict(),
+        "threads": torch.get_num_threads(),
+    }

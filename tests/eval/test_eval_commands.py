@@ -1,0 +1,89 @@
+"""kvsqueeze ppl / speed / retrieval / presets through the CLI: JSON records and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from kvsqueeze.cli import main
+from kvsqueeze.eval import peers
+
+PPL_KEYS = {"ppl", "tokens_scored", "protocol", "protocol_note", "context", "chunks", "prefix", "scored_positions",
+            "bits_per_element", "quantized_bits_per_element", "kv_bytes", "kv_bytes_per_token", "spec", "model",
+            "corpus", "wall_seconds", "threads", "command", "date", "machine"}
+KV_BYTES_KEYS = {"codes", "params", "full_precision", "total", "elements", "bits_per_element", "bytes_per_token"}
+
+
+def _ppl(model_dir, corpus, *extra):
+    return ["ppl", "--model", str(model_dir), "--text", str(corpus), "--context", "128", "--chunks", "2", *extra]
+
+
+def test_ppl_json_record(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "ppl.json"
+    assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", "kivi-2", "--json", str(out))) == 0
+    r = json.loads(out.read_text())
+    assert PPL_KEYS <= r.keys() and KV_BYTES_KEYS <= r["kv_bytes"].keys()
+    assert r["protocol"] == "window" and r["tokens_scored"] == 2 * 127 and r["ppl"] > 1
+    assert r["corpus"]["sha256"] == hashlib.sha256(tiny_corpus.read_bytes()).hexdigest()
+    assert r["spec"]["window"] == 128 and r["spec"]["key"]["axis"] == "channel"
+    assert r["bits_per_element"] == pytest.approx(8 * r["kv_bytes"]["total"] / r["kv_bytes"]["elements"])
+    assert r["threads"] == 2 and r["model"]["num_kv_heads"] == 1
+    assert "ppl" in capsys.readouterr().out
+
+
+def test_ppl_decode_for_a_peer(tiny_model_dir, tiny_corpus, tmp_path):
+    out = tmp_path / "peer.json"
+    assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", "hf-quanto-int4", "--json", str(out))) == 0
+    r = json.loads(out.read_text())  # a peer's protocol defaults to decode, half the chunk prefilled
+    assert r["kind"] == "peer" and r["protocol"] == "decode" and r["prefix"] == 64 and r["tokens_scored"] == 2 * 64
+    assert r["spec"]["backend"] == "quanto" and r["kv_bytes"]["codes"] > 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv", "nope"], "unknown preset or peer 'nope'"),
+    (["--kv", "hf-dynamic", "--protocol", "window"], "only be measured with --protocol decode"),
+    (["--kv", "full", "--context", "5000"], "larger than the model supports"),
+    (["--kv", "full", "--chunks", "60"], "corpus too short"),
+])
+def test_ppl_bad_input_is_one_line_and_no_json(tiny_model_dir, tiny_corpus, tmp_path, capsys, argv, message):
+    out = tmp_path / "bad.json"
+    argv = ["ppl", "--model", str(tiny_model_dir), "--text", str(tiny_corpus), *argv, "--json", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_missing_peer_library_exits_2_before_loading(monkeypatch, capsys):
+    monkeypatch.setattr(peers, "_importable", lambda module: False)
+    assert main(["speed", "--kv", "hf-quanto-int2", "--model", "/nonexistent"]) == 2
+    assert "pip install" in capsys.readouterr().err
+
+
+def test_speed_json(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--kv", "int4", "--model", str(tiny_model_dir), "--context", "96", "--decode-tokens", "3",
+                 "--batch", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 and len(r["decode_ms_steps"]) == 3
+    assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0 and r["threads"] == 2
+    assert r["kv_bytes"]["tokens"] == 99 and r["kv_bytes"]["batch"] == 2
+    assert "2 threads" in capsys.readouterr().out
+
+
+def test_retrieval_json_and_heatmap(tiny_model_dir, tmp_path):
+    out = tmp_path / "ret.json"
+    assert main(["retrieval", "--kv", "hf-dynamic", "--model", str(tiny_model_dir), "--lengths", "260,300",
+                 "--depths", "0,1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert len(r["accuracy"]) == 2 and len(r["accuracy"][0]) == 2 and len(r["cells"]) == 4
+    assert all(c["prompt_tokens"] <= c["length"] and len(c["passkey"]) == 5 for c in r["cells"])
+    assert (tmp_path / "ret.png").stat().st_size > 1000
+
+
+def test_presets_lists_peers(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "kivi-2" in out and "hf-quanto-int4" in out and "hf-dynamic" in out

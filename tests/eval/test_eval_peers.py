@@ -1,0 +1,78 @@
+"""Peers are selectable by name, fail clearly when their library is missing, and are charged for every byte."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvsqueeze import QuantizedCache
+from kvsqueeze.eval import peers
+from kvsqueeze.spec import CacheSpec
+
+
+def _fill(model, cache, n, seed=0):
+    ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+    peers.prefill(model, ids[:, :-1], cache)
+    with torch.no_grad():
+        model(ids[:, -1:], past_key_values=cache)  # one decode step: the quanto residual holds 1 token
+    return cache
+
+
+def test_names_resolve_to_caches(tiny_llama):
+    import transformers
+
+    assert isinstance(peers.make_cache(tiny_llama, "hf-dynamic"), DynamicCache)
+    assert isinstance(peers.make_cache(tiny_llama, "hf-quanto-int2-axis1"), transformers.QuantizedCache)
+    assert isinstance(peers.make_cache(tiny_llama, "kivi-2"), QuantizedCache)
+    assert isinstance(peers.check_kv("k2c32-v2t32-w128-s4"), CacheSpec)
+
+
+def test_unknown_name_lists_presets_and_peers():
+    with pytest.raises(ValueError, match=r"unknown preset or peer 'hf-quanto-int8'.*peers: hf-dynamic"):
+        peers.check_kv("hf-quanto-int8")
+    with pytest.raises(ValueError, match="unsupported bits 9"):  # a malformed spec string keeps its own message
+        peers.check_kv("k9t32-v2t32")
+
+
+def test_missing_optional_peer_library_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(peers, "_importable", lambda module: False)
+    with pytest.raises(ValueError, match=r"hf-quanto-int4 needs the optional library optimum-quanto.*pip install"):
+        peers.check_kv("hf-quanto-int4")
+    assert peers.check_kv("hf-dynamic").backend == "dynamic"  # transformers alone
+
+
+def test_quanto_bytes_are_counted_from_its_tensors(tiny_llama):
+    """int4, axis 0, groups of 64: packed codes (half a byte each), one fp32 scale and one fp32 shift per 64
+    elements, and the full-precision residual."""
+    cache = _fill(tiny_llama, peers.make_cache(tiny_llama, "hf-quanto-int4"), 129)
+    f = peers.footprint(cache)
+    layers, heads, dim = 2, 2, 64
+    q_elements = 2 * layers * heads * 128 * dim  # K and V of the 128 prefilled tokens
+    assert f.quantized_elements == q_elements
+    assert f.codes == q_elements // 2
+    assert f.params == q_elements // 64 * 2 * 4
+    assert f.full_precision == 2 * layers * heads * 1 * dim * 4  # the decoded token, fp32
+    assert f.quantized_bits_per_element == pytest.approx(4 + 64 / 64)
+    assert f.tokens == 129 and f.elements == 2 * layers * heads * 129 * dim
+
+
+def test_dynamic_fp8_and_our_cache_bytes(tiny_llama):
+    dyn = peers.footprint(_fill(tiny_llama, DynamicCache(config=tiny_llama.config), 40))
+    assert dyn.bits_per_element == 32 and dyn.bytes_per_token == 2 * 2 * 2 * 64 * 4
+    fp8 = peers.footprint(_fill(tiny_llama, peers.make_cache(tiny_llama, "hf-fp8"), 40))
+    assert fp8.codes == fp8.elements and fp8.params == 2 * 2 * 4  # one fp32 scale for K and V per layer
+    ours = _fill(tiny_llama, QuantizedCache(tiny_llama.config, "int8"), 40)
+    assert peers.footprint(ours).total == ours.nbytes().total
+
+
+def test_quanto_axis1_prompts_are_split_at_group_boundaries(tiny_llama):
+    cache = peers.make_cache(tiny_llama, "hf-quanto-int2-axis1")
+    # 2 KV heads: quanto groups 64 rows of the flattened (batch x heads x tokens) axis -> 32-token steps
+    assert peers.prefill_pieces(tiny_llama, cache, 100) == [96, 4]
+    assert peers.prefill_pieces(tiny_llama, cache, 96) == [96]
+    assert peers.prefill_pieces(tiny_llama, peers.make_cache(tiny_llama, "hf-quanto-int2"), 100) == [100]
+    _fill(tiny_llama, cache, 101)  # would raise inside quanto if the prompt were not split
+    assert cache.get_seq_length() == 101
+    with pytest.raises(ValueError, match="at least 32 tokens"):
+        peers.prefill_pieces(tiny_llama, cache, 20)
