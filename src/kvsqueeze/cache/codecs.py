@@ -75,6 +75,14 @@ class FullCodec(Codec):
         return parts["x"]
 
 
+def _int_parts(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int) -> dict:
+    """Stored parts of an integer codec: codes packed along channels, group parameters without their unit dim."""
+    out = {"codes": pack_bits(codes, bits), "scale": scale.squeeze(-1)}
+    if zero is not None:
+        out["zero"] = zero.squeeze(-1)
+    return out
+
+
 class IntTokenCodec(Codec):
     """Integer codes with parameters per token, one scale (and zero) per ``group`` channels."""
 
@@ -96,10 +104,7 @@ class IntTokenCodec(Codec):
         s = self.spec
         codes, scale, zero = quantize_groups(x.float().reshape(b, h, t, d // self.group, self.group), s.bits,
                                              s.symmetric, s.clip, s.param_dtype)
-        out = {"codes": pack_bits(codes.reshape(b, h, t, d), s.bits), "scale": scale.squeeze(-1)}
-        if zero is not None:
-            out["zero"] = zero.squeeze(-1)
-        return out
+        return _int_parts(codes.reshape(b, h, t, d), scale, zero, s.bits)
 
     def decode(self, parts):
         codes = parts["codes"]
@@ -135,11 +140,7 @@ class IntChannelCodec(Codec):
             raise ValueError(f"per-channel groups need a multiple of {g} tokens, got {t}")
         grouped = x.float().reshape(b, h, t // g, g, d).transpose(-1, -2)  # [B,H,T/G,D,G]
         codes, scale, zero = quantize_groups(grouped, s.bits, s.symmetric, s.clip, s.param_dtype)
-        codes = codes.transpose(-1, -2).reshape(b, h, t, d)
-        out = {"codes": pack_bits(codes, s.bits), "scale": scale.squeeze(-1)}
-        if zero is not None:
-            out["zero"] = zero.squeeze(-1)
-        return out
+        return _int_parts(codes.transpose(-1, -2).reshape(b, h, t, d), scale, zero, s.bits)
 
     def decode(self, parts):
         codes = parts["codes"]
