@@ -24,6 +24,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..kernels.dispatch import check_backend, resolve
 from ..spec import CacheSpec, preset
+from .accounting import ByteTotals
 from .layer import LayerKV, StepTracker
 
 ATTN_NAME = "kvsqueeze"
@@ -213,7 +214,7 @@ class _HFLayer(CacheLayerMixin):
 
 
 @dataclass(frozen=True)
-class KVBytes:
+class KVBytes(ByteTotals):
     """Exact bytes held by the cache, split by kind, and bits per element including every scale and zero."""
 
     codes: int
@@ -222,19 +223,6 @@ class KVBytes:
     allocated: int
     elements: int
     quantized_elements: int
-
-    @property
-    def total(self) -> int:
-        return self.codes + self.params + self.full_precision
-
-    @property
-    def bits_per_element(self) -> float:
-        return 8 * self.total / self.elements if self.elements else float("nan")
-
-    @property
-    def quantized_bits_per_element(self) -> float:
-        """Bits per element of the quantized part only (codes + scales/zeros over quantized elements)."""
-        return 8 * (self.codes + self.params) / self.quantized_elements if self.quantized_elements else float("nan")
 
     def summary(self) -> str:
         q = self.quantized_bits_per_element

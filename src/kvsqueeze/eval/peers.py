@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..cache.accounting import ByteTotals
 from ..spec import PRESETS, CacheSpec, preset
 
 
@@ -157,7 +158,7 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ accounting
 @dataclass(frozen=True)
-class KVFootprint:
+class KVFootprint(ByteTotals):
     """Bytes held by any cache (ours or a peer's), by kind; elements are K+V elements of the stored tokens."""
 
     codes: int
@@ -167,18 +168,6 @@ class KVFootprint:
     quantized_elements: int
     tokens: int  # tokens stored per sequence (the cache's sequence length)
     batch: int
-
-    @property
-    def total(self) -> int:
-        return self.codes + self.params + self.full_precision
-
-    @property
-    def bits_per_element(self) -> float:
-        return 8 * self.total / self.elements if self.elements else float("nan")
-
-    @property
-    def quantized_bits_per_element(self) -> float:
-        return 8 * (self.codes + self.params) / self.quantized_elements if self.quantized_elements else float("nan")
 
     @property
     def bytes_per_token(self) -> float:
