@@ -459,3 +459,21 @@ class StaticKVQuant:
         for a in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
             h.update(a.tobytes())
         return h.hexdigest()[:16]
+
+
+def manager_for(info, dtype, reserve: float = 2.0, on_full: str = "stop", naive: bool = False) -> StaticKVManager:
+    """A manager shaped for an engine described by ``info`` (n_layers, n_kv_heads, stored_dim, max_len,
+    batch_size, layout); ``naive`` gives the shift-every-token baseline."""
+    kw = dict(batch_size=info.batch_size, dtype=dtype, layout=info.layout, on_full=on_full)
+    if naive:
+        return StaticKVManager.naive(info.n_layers, info.n_kv_heads, info.stored_dim, info.max_len, **kw)
+    return StaticKVManager(info.n_layers, info.n_kv_heads, info.stored_dim, info.max_len, reserve=reserve, **kw)
+
+
+def check_manager_matches(m: StaticKVManager, info, dtype, what: str) -> None:
+    """ValueError before the engine runs when a manager does not fit the engine's fixed shapes."""
+    got = (m.n_layers, m.n_kv_heads, m.head_dim, m.max_len, m.batch_size, m.layout, m.dtype)
+    want = (info.n_layers, info.n_kv_heads, info.stored_dim, info.max_len, info.batch_size, info.layout, dtype)
+    if got != want:
+        names = "(layers, kv heads, stored dim, S, batch, layout, dtype)"
+        raise ValueError(f"the manager {names} = {got} does not match {what}'s {want}")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache.static import StaticKVManager
+from ..cache.static import StaticKVManager, check_manager_matches, manager_for
 from .onnx_export import DECODE_FILE, FORMAT_VERSION, PREFILL_FILE, WEIGHTS_FILE, io_names
 
 ORT_HINT = 'the ONNX Runtime path needs onnx and onnxruntime: pip install -e ".[onnx]"'
@@ -165,19 +165,10 @@ class OrtStaticEngine:
 
     # ------------------------------------------------------------------ manager pairing
     def make_manager(self, reserve: float = 2.0, on_full: str = "stop", naive: bool = False) -> StaticKVManager:
-        i = self.info
-        kw = dict(batch_size=i.batch_size, dtype=self._kv_dtype, layout=i.layout, on_full=on_full)
-        if naive:
-            return StaticKVManager.naive(i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, **kw)
-        return StaticKVManager(i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, reserve=reserve, **kw)
+        return manager_for(self.info, self._kv_dtype, reserve, on_full, naive)
 
     def check_manager(self, m: StaticKVManager) -> None:
-        i = self.info
-        got = (m.n_layers, m.n_kv_heads, m.head_dim, m.max_len, m.batch_size, m.layout, m.dtype)
-        want = (i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, i.batch_size, i.layout, self._kv_dtype)
-        if got != want:
-            names = "(layers, kv heads, stored dim, S, batch, layout, dtype)"
-            raise ValueError(f"the manager {names} = {got} does not match the exported graph's {want}")
+        check_manager_matches(m, self.info, self._kv_dtype, "the exported graph")
 
     # ------------------------------------------------------------------ steps
     def prefill(self, m: StaticKVManager, input_ids: np.ndarray, attention_mask: np.ndarray,

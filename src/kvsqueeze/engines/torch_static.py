@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..cache.static import StaticKVManager, StaticKVQuant
+from ..cache.static import StaticKVManager, StaticKVQuant, check_manager_matches, manager_for
 from .static_step import StaticStep
 
 
@@ -32,19 +32,10 @@ class TorchStaticEngine:
                                     n_kv_heads=s.n_kv, stored_dim=stored)
 
     def make_manager(self, reserve: float = 2.0, on_full: str = "stop", naive: bool = False) -> StaticKVManager:
-        i = self.info
-        kw = dict(batch_size=i.batch_size, dtype=self.dtype, layout=i.layout, on_full=on_full)
-        if naive:
-            return StaticKVManager.naive(i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, **kw)
-        return StaticKVManager(i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, reserve=reserve, **kw)
+        return manager_for(self.info, self.dtype, reserve, on_full, naive)
 
     def check_manager(self, m: StaticKVManager) -> None:
-        i = self.info
-        want = (i.n_layers, i.n_kv_heads, i.stored_dim, i.max_len, i.batch_size, i.layout, self.dtype)
-        got = (m.n_layers, m.n_kv_heads, m.head_dim, m.max_len, m.batch_size, m.layout, m.dtype)
-        if got != want:
-            raise ValueError(f"the manager {got} does not match this engine's {want} "
-                             f"(layers, kv heads, stored dim, S, batch, layout, dtype)")
+        check_manager_matches(m, self.info, self.dtype, "this engine")
 
     @torch.inference_mode()
     def prefill(self, m: StaticKVManager, input_ids: np.ndarray, attention_mask: np.ndarray,
