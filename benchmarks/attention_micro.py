@@ -8,6 +8,8 @@ measured by cloning a large tensor in the same run.
 
 GPU section (only with CUDA and Triton): Llama-2-7B-shaped (32 heads, head_dim 128; also 8 KV heads GQA), contexts
 4k-128k, batch 1 and 16: the fused Triton int4/int2 decode kernel vs fp16 SDPA and vs dequantize-then-SDPA.
+Then a GPU prefill section (``--prefill-tokens``, 0 skips): a chunk of new tokens over a packed history through
+the Triton prefill kernel, the block-by-block torch reference and fp16 SDPA.
 
     PYTHONPATH=src python benchmarks/attention_micro.py --threads 2 --layers 4 --contexts 4096 8192 16384 32768 65536
 """
@@ -176,6 +178,59 @@ def bench_gpu(args) -> None:
                 torch.cuda.empty_cache()
 
 
+def _cuda_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def bench_gpu_prefill(args) -> None:
+    """A chunk of new tokens attending over a packed history (chunked prefill): the Triton prefill kernel vs the
+    block-by-block torch reference and vs fp16 SDPA over dense K/V (no mask, a lower bound)."""
+    if not torch.cuda.is_available():
+        print("\n## GPU prefill: no CUDA device; section skipped")
+        return
+    from kvsqueeze.kernels import triton_decode
+    from kvsqueeze.kernels.dispatch import reference_attend_layer
+
+    if not triton_decode.available():
+        print("\n## GPU prefill: Triton kernels unavailable; section skipped")
+        return
+    dev, n = torch.device("cuda"), args.prefill_tokens
+    print(f"\n## GPU prefill: {torch.cuda.get_device_name()}, {n} new tokens over the context, 32 query heads, "
+          f"8 KV heads, head_dim 128, batch 1\n")
+    print("| context | method | ms/step | vs SDPA fp16 |")
+    print("|---|---|---|---|")
+    for ctx in args.gpu_contexts:
+        k = torch.randn(1, 8, ctx, 128, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(1, 32, n, 128, device=dev, dtype=torch.float16)
+        nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=torch.float16), torch.randn(1, 8, n, 128, device=dev,
+                                                                                          dtype=torch.float16)
+        kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
+        res = {"SDPA fp16": _cuda_ms(lambda q=q, kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(
+            q, kk, vv, enable_gqa=True), args.reps)}
+        for p in ("kivi-4", "kivi-2"):
+            la = build_layer(p, k, v, nk, nv)
+            res[f"triton prefill {p}"] = _cuda_ms(
+                lambda la=la, q=q: triton_decode.attend_layer(q, la, None, 128 ** -0.5), args.reps)
+            res[f"torch reference {p}"] = _cuda_ms(
+                lambda la=la, q=q: reference_attend_layer(q, la, None, 128 ** -0.5), max(3, args.reps // 5))
+            del la
+        for m, t in res.items():
+            print(f"| {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")
+        del k, v, kk, vv
+        torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -187,12 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--gpu-contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
     p.add_argument("--gpu-budget-gb", type=float, default=40.0, help="skip GPU shapes whose fp16 K/V exceed this")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
     p.add_argument("--skip-cpu", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if not args.skip_cpu:
         bench_cpu(args)
     bench_gpu(args)
+    if args.prefill_tokens:
+        bench_gpu_prefill(args)
     return 0
 
 

@@ -8,6 +8,7 @@ the byte accounting.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,18 @@ def _int_parts(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     return out
 
 
+def _triton_encode(codec: Codec, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The Triton quantize-and-pack of ``x`` (same parts, bit for bit) for CUDA tensors, or None to use torch.
+
+    ``KVSQUEEZE_TRITON_ENCODE=0`` switches it off; ``=1`` also uses it for CPU tensors (Triton's interpreter)."""
+    flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
+    if flag == "0" or not (x.is_cuda or flag == "1"):
+        return None
+    from ..kernels.triton_pack import encode  # lazy: importing kvsqueeze never imports Triton
+
+    return encode(codec, x)
+
+
 class IntTokenCodec(Codec):
     """Integer codes with parameters per token, one scale (and zero) per ``group`` channels."""
 
@@ -100,6 +113,9 @@ class IntTokenCodec(Codec):
         return out
 
     def encode(self, x):
+        fast = _triton_encode(self, x)
+        if fast is not None:
+            return fast
         b, h, t, d = x.shape
         s = self.spec
         codes, scale, zero = quantize_groups(x.float().reshape(b, h, t, d // self.group, self.group), s.bits,
@@ -134,6 +150,9 @@ class IntChannelCodec(Codec):
         return out
 
     def encode(self, x):
+        fast = _triton_encode(self, x)
+        if fast is not None:
+            return fast
         b, h, t, d = x.shape
         g, s = self.group, self.spec
         if t % g:

@@ -1,4 +1,4 @@
-"""Triton GPU kernels over the packed cache: fused decode attention and quantize-and-pack on append.
+"""Triton GPU kernels over the packed cache: fused decode attention (prefill and packing in sibling modules).
 
 Imported lazily by :mod:`kvsqueeze.kernels.dispatch`; ``import kvsqueeze`` never needs Triton.  Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), which is how they are tested without a GPU.
@@ -9,7 +9,8 @@ a time in registers (shift and mask per channel), applies the group parameters t
 its KV head (GQA rows share the loads) and keeps an online softmax; it writes its partial (max, sum, weighted
 values).  The small full-precision segments (sinks, window, the step's new tokens) are scored with torch, and all
 partials are merged exactly by log-sum-exp.  Steps longer than ``MAX_QUERIES`` tokens (prefill on top of a
-cache) go to the block-by-block reference, which never dequantizes more than one block at a time.
+cache) go to :mod:`kvsqueeze.kernels.triton_prefill`, which tiles the queries too and never dequantizes the
+history outside registers.  Quantize-and-pack on append is :mod:`kvsqueeze.kernels.triton_pack`.
 
 Supported in the fused kernel: fp blocks of the model dtype, integer codes of 2/4/8 bits (1 and 3 bits and fp8
 go to the reference), per-channel or per-token groups, symmetric or not, fp32/fp16/bf16 parameters.
@@ -188,7 +189,13 @@ def _fp_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
 def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything ``layer`` stores plus its pending tokens."""
     b, hq, lq, d = query.shape
-    if not available() or lq > MAX_QUERIES or not supports(layer) or d & (d - 1) or layer.pending is None:
+    if not available() or not supports(layer) or d & (d - 1) or layer.pending is None:
+        return reference_attend_layer(query, layer, mask, scaling)
+    if lq > MAX_QUERIES:  # prefill on top of a cache: query tiles with tl.dot (lazy: it imports this module)
+        from .triton_prefill import attend_prefill, supports_query
+
+        if supports_query(d):
+            return attend_prefill(query, layer, mask, scaling)
         return reference_attend_layer(query, layer, mask, scaling)
     hkv = layer.pending[0].shape[1]
     rep = hq // hkv

@@ -1,0 +1,195 @@
+"""Triton quantize-and-pack of appended tokens, bit-identical to the torch encoders of the integer codecs.
+
+:func:`encode` returns exactly the parts of ``IntTokenCodec.encode`` / ``IntChannelCodec.encode`` (codes packed
+as :func:`kvsqueeze.quant.packing.pack_bits` packs them, scale and zero in the parameter dtype), computed by one
+launch instead of a dozen torch ops and their float32 temporaries.  It follows :func:`quantize_groups` operation
+by operation: min/max (exact in any order), parameters rounded to the storage dtype with the same directed
+rounding (zero down, scale up), IEEE division, round-half-to-even; float contraction into FMAs is switched off so
+no product is rounded differently.  The codes therefore match the torch encoder bit for bit, ties included.
+
+Supported: 1 (asymmetric only), 2, 3, 4, 5-8 bits, symmetric or not, any clip ratio, fp32/fp16/bf16 parameters,
+power-of-two head_dim and group size.  Everything else (1-bit symmetric, whose scale is a mean whose summation
+order would differ; fp8 parameters; other group sizes) returns None and the caller keeps the torch encoder.
+
+The codecs call this for CUDA tensors (see ``_triton_encode`` in :mod:`kvsqueeze.cache.codecs`);
+``KVSQUEEZE_TRITON_ENCODE=1`` also routes CPU tensors here (under ``TRITON_INTERPRET=1``, for tests) and ``=0``
+switches it off.  Importing this module without Triton works; :func:`encode` then returns None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.codecs import IntChannelCodec, IntTokenCodec
+from ..quant.params import scale_floor
+from .triton_decode import HAS_TRITON, available
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+ROWS = 16  # tokens per program of the per-token kernel
+_PKIND = {"fp32": 0, "fp16": 1, "bf16": 2}
+_PMAX = {0: float(torch.finfo(torch.float32).max), 1: float(torch.finfo(torch.float16).max),
+         2: float(torch.finfo(torch.bfloat16).max)}
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _to_param(t, UP: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr):
+        """Round float32 ``t`` to the parameter dtype, up (result >= t) or down, as quant.params.to_param does;
+        the result is a float32 holding a value exactly representable in that dtype."""
+        t = tl.minimum(tl.maximum(t, -PMAX), PMAX)
+        if PKIND == 0:
+            return t
+        neg = t.to(tl.int32, bitcast=True) < 0  # the sign bit, so -0.0 keeps its sign as in torch
+        a = tl.abs(t)
+        bits = a.to(tl.int32, bitcast=True)
+        if PKIND == 2:
+            # bf16 is float32 with the low 16 bits dropped: truncating them rounds the magnitude down
+            tb = bits & -65536
+            lo = tb.to(tl.float32, bitcast=True)
+            hi = (tb + tl.where(tb != bits, 65536, 0)).to(tl.float32, bitcast=True)
+        else:
+            # fp16: the grid step of |t|'s binade (2**-24 below the normal range); scaling by powers of two is exact
+            e = tl.maximum(((bits >> 23) & 255) - 127, -14)
+            step = ((e - 10 + 127) << 23).to(tl.float32, bitcast=True)
+            inv = ((127 - (e - 10)) << 23).to(tl.float32, bitcast=True)
+            q = a * inv
+            lo = tl.floor(q) * step
+            hi = tl.ceil(q) * step
+        # lo / hi: the magnitude rounded down / up
+        if UP:
+            return tl.where(neg, -lo, hi)
+        return tl.where(neg, -hi, lo)
+
+    @triton.jit
+    def _rint(y):
+        # round half to even, like torch.round (floor(y + 0.5) would mis-round just below .5)
+        f = tl.floor(y)
+        d = y - f
+        odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+        return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+
+    @triton.jit
+    def _quantize(x, mn, mx, amax, clip, floor, BITS: tl.constexpr, SYM: tl.constexpr, PKIND: tl.constexpr,
+                  PMAX: tl.constexpr):
+        """(int32 codes, scale, zero) for values x and their broadcastable group min / max / absmax."""
+        if SYM:
+            QMAX: tl.constexpr = 2 ** (BITS - 1) - 1
+            s = _to_param(tl.maximum(tl.div_rn(amax * clip, QMAX * 1.0), floor), True, PKIND, PMAX)
+            q = tl.minimum(tl.maximum(_rint(tl.div_rn(x, s)), -QMAX * 1.0), QMAX * 1.0) + 2 ** (BITS - 1)
+            return q.to(tl.int32), s, s
+        QMAX2: tl.constexpr = 2 ** BITS - 1
+        z = _to_param(mn * clip, False, PKIND, PMAX)
+        s = _to_param(tl.maximum(tl.div_rn(mx * clip - z, QMAX2 * 1.0), floor), True, PKIND, PMAX)
+        q = tl.minimum(tl.maximum(_rint(tl.div_rn(x - z, s)), 0.0), QMAX2 * 1.0)
+        return q.to(tl.int32), s, z
+
+    @triton.jit
+    def _pack_store(c_ptr, codes, rows, r_ok, BR: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """Store int32 codes [BR, D] of token rows ``rows`` packed along channels as pack_bits packs them."""
+        if BITS >= 5:  # one code per byte
+            ch = tl.arange(0, D)
+            tl.store(c_ptr + rows[:, None] * D + ch[None, :], codes.to(tl.uint8), mask=r_ok[:, None])
+        elif BITS == 3:  # 8 codes in a little-endian 24-bit word, stored as 3 bytes
+            NU: tl.constexpr = D // 8
+            word = tl.sum(tl.reshape(codes, (BR, NU, 8)) << (tl.arange(0, 8) * 3)[None, None, :], axis=2)
+            u = tl.arange(0, NU)
+            base = c_ptr + rows[:, None] * (NU * 3) + u[None, :] * 3
+            for j in tl.static_range(3):
+                tl.store(base + j, ((word >> (8 * j)) & 255).to(tl.uint8), mask=r_ok[:, None])
+        else:  # 8 // BITS codes per byte, first code in the lowest bits; fields do not overlap, so sum == or
+            PER: tl.constexpr = 8 // BITS
+            NB: tl.constexpr = D // PER
+            byte = tl.sum(tl.reshape(codes, (BR, NB, PER)) << (tl.arange(0, PER) * BITS)[None, None, :], axis=2)
+            nb = tl.arange(0, NB)
+            tl.store(c_ptr + rows[:, None] * NB + nb[None, :], byte.to(tl.uint8), mask=r_ok[:, None])
+
+    @triton.jit
+    def _pack_token_kernel(x_ptr, c_ptr, s_ptr, z_ptr, n_rows, clip, floor,
+                           D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
+                           SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr):
+        """Per-token groups: x [n_rows, D] in groups of G channels -> codes, params [n_rows, D // G]."""
+        NG: tl.constexpr = D // G
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        r_ok = rows < n_rows
+        gi = tl.arange(0, NG)
+        off = rows[:, None, None] * D + gi[None, :, None] * G + tl.arange(0, G)[None, None, :]
+        x = tl.load(x_ptr + off, mask=r_ok[:, None, None], other=0.0).to(tl.float32)
+        mn = tl.min(x, axis=2)
+        mx = tl.max(x, axis=2)
+        amax = tl.max(tl.abs(x), axis=2)
+        q, s, z = _quantize(x, mn[:, :, None], mx[:, :, None], amax[:, :, None], clip, floor,
+                            BITS, SYM, PKIND, PMAX)
+        p_off = rows[:, None] * NG + gi[None, :]
+        tl.store(s_ptr + p_off, tl.reshape(s, (BR, NG)), mask=r_ok[:, None])
+        if not SYM:
+            tl.store(z_ptr + p_off, tl.reshape(z, (BR, NG)), mask=r_ok[:, None])
+        _pack_store(c_ptr, tl.reshape(q, (BR, D)), rows, r_ok, BR, D, BITS)
+
+    @triton.jit
+    def _pack_channel_kernel(x_ptr, c_ptr, s_ptr, z_ptr, clip, floor,
+                             D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                             SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr):
+        """Per-channel groups: one program per group of G tokens; x [G, D] -> codes, params [D]."""
+        grp = tl.program_id(0)
+        rows = grp * G + tl.arange(0, G)
+        ch = tl.arange(0, D)
+        x = tl.load(x_ptr + rows[:, None] * D + ch[None, :]).to(tl.float32)
+        mn = tl.min(x, axis=0)
+        mx = tl.max(x, axis=0)
+        amax = tl.max(tl.abs(x), axis=0)
+        q, s, z = _quantize(x, mn[None, :], mx[None, :], amax[None, :], clip, floor, BITS, SYM, PKIND, PMAX)
+        tl.store(s_ptr + grp * D + ch[None, :], s)
+        if not SYM:
+            tl.store(z_ptr + grp * D + ch[None, :], z)
+        _pack_store(c_ptr, q, rows, rows >= 0, G, D, BITS)
+
+
+def supports(codec, x: torch.Tensor) -> bool:
+    """Whether :func:`encode` reproduces ``codec.encode(x)`` (exact codec classes only: subclasses may differ)."""
+    if type(codec) not in (IntTokenCodec, IntChannelCodec):
+        return False
+    s, d, g = codec.spec, codec.head_dim, codec.group
+    if s.param_dtype not in _PKIND or (s.symmetric and s.bits == 1) or not (_pow2(d) and _pow2(g)):
+        return False
+    if x.dim() != 4 or x.shape[-1] != d or x.dtype not in _X_DTYPES or x.shape[2] == 0:
+        return False
+    return type(codec) is IntTokenCodec or x.shape[2] % g == 0  # a ragged per-channel call raises in torch
+
+
+def encode(codec, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The codec's parts for ``x`` [B, H, T, D] computed by Triton, or None when not supported here."""
+    if not available() or not supports(codec, x):
+        return None
+    b, h, t, d = x.shape
+    s, g = codec.spec, codec.group
+    x = x.contiguous()
+    nbytes = d * s.bits // 8 if s.bits <= 4 else d
+    codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device)
+    pshape = (b, h, t, d // g) if type(codec) is IntTokenCodec else (b, h, t // g, d)
+    scale = torch.empty(pshape, dtype=codec.pdtype, device=x.device)
+    zero = None if s.symmetric else torch.empty_like(scale)
+    pk = _PKIND[s.param_dtype]
+    consts = dict(D=d, G=g, BITS=s.bits, SYM=s.symmetric, PKIND=pk, PMAX=_PMAX[pk])
+    z_arg = scale if zero is None else zero
+    floor = scale_floor(s.param_dtype)
+    # no FMA contraction: every product is rounded as torch rounds it
+    if type(codec) is IntTokenCodec:
+        n = b * h * t
+        _pack_token_kernel[(triton.cdiv(n, ROWS),)](x, codes, scale, z_arg, n, float(s.clip), floor, BR=ROWS,
+                                                    enable_fp_fusion=False, **consts)
+    else:
+        _pack_channel_kernel[(b * h * t // g,)](x, codes, scale, z_arg, float(s.clip), floor,
+                                                enable_fp_fusion=False, **consts)
+    out = {"codes": codes, "scale": scale}
+    if zero is not None:
+        out["zero"] = zero
+    return out

@@ -1,0 +1,120 @@
+"""Triton prefill (many queries over a packed cache) against the block-by-block reference.
+
+Under TRITON_INTERPRET=1 on CPU with tiny tiles (tests/kernels/conftest.py), on CUDA when present.  Tolerance:
+atol 5e-5 (float32 products, accumulated in a different order than the reference).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvsqueeze.cache.layer import LayerKV
+from kvsqueeze.kernels.dispatch import reference_attend_layer
+from kvsqueeze.spec import CacheSpec, preset
+
+from ._helpers import filled_layer, padding_mask, query_for
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+@pytest.fixture
+def td(monkeypatch):
+    from kvsqueeze.kernels import triton_decode, triton_prefill
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the interpreter is off")
+    monkeypatch.setattr(triton_prefill, "BLOCK_M", 16)
+    monkeypatch.setattr(triton_prefill, "BLOCK_N", 16)
+    return triton_decode
+
+
+def _check(td, layer, q_heads, new, mask=None, atol=5e-5):
+    q = query_for(layer, q_heads, new)
+    ref = reference_attend_layer(q, layer, mask, 0.125)
+    got = td.attend_layer(q, layer, mask, 0.125)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+
+
+def _routed(td, monkeypatch) -> list:
+    """Record that attend_layer really went through the prefill kernel (not the reference)."""
+    from kvsqueeze.kernels import triton_prefill
+
+    calls = []
+    real = triton_prefill.attend_prefill
+    monkeypatch.setattr(triton_prefill, "attend_prefill", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+# per-channel keys + per-token values (KIVI), 2/4/8 bits, sinks, GQA, windows that end mid-group
+@pytest.mark.parametrize("spec,kv_heads,q_heads,stored,pads", [
+    ("k2c16-v2t16-w16-s4", 1, 2, 90, [0, 21]),
+    ("k4c16-v4t16-w16", 2, 4, 75, None),
+    ("k8t16-v8t32-w0", 2, 2, 64, [3, 0]),
+    ("k4t16-v2c16-w32-s2", 1, 4, 101, [0, 40]),
+])
+def test_prefill_matches_reference(td, monkeypatch, spec, kv_heads, q_heads, stored, pads):
+    calls = _routed(td, monkeypatch)
+    new = 37  # > MAX_QUERIES, not a multiple of any tile
+    layer = filled_layer(spec, batch=2, kv_heads=kv_heads, head_dim=32, stored=stored, new=new, steps=3)
+    assert layer.n_history > 0 and len(layer.store.blocks) >= 1
+    mask = padding_mask(layer, new, pads) if pads else None
+    _check(td, layer, q_heads, new, mask)
+    assert calls == [1]
+
+
+def test_prefill_float_mask_fp16(td):
+    new = 20
+    layer = filled_layer("k2c16-v4t16-w16", batch=2, kv_heads=1, head_dim=16, stored=150, new=new,
+                         dtype=torch.float16)
+    bool_mask = padding_mask(layer, new, [0, 33])
+    fmask = torch.zeros(bool_mask.shape, dtype=torch.float16).masked_fill(~bool_mask, torch.finfo(torch.float16).min)
+    _check(td, layer, 3, new, fmask, atol=2e-3)  # output rounded to fp16
+
+
+def test_prefill_on_empty_history_and_multi_block(td):
+    # a first prompt: nothing stored yet, causal among the new tokens only
+    layer = filled_layer("k4c16-v4t16-w16", batch=1, kv_heads=1, head_dim=32, stored=0, new=24)
+    _check(td, layer, 2, 24)
+    # several packed blocks (block_tokens 32), mask None: history fully visible, new tokens causal
+    spec = preset("k2c16-v2t16-w16")
+    layer = LayerKV(CacheSpec(key=spec.key, value=spec.value, window=16, block_tokens=32))
+    g = torch.Generator().manual_seed(3)
+    layer.stage(torch.randn(1, 2, 120, 32, generator=g), torch.randn(1, 2, 120, 32, generator=g))
+    layer.commit()
+    layer.stage(torch.randn(1, 2, 18, 32, generator=g), torch.randn(1, 2, 18, 32, generator=g))
+    assert len(layer.store.blocks) >= 3
+    _check(td, layer, 4, 18)
+
+
+def test_prefill_sliding_layer_after_eviction(td):
+    new = 17
+    layer = filled_layer("k2c16-v2t16-w16", batch=1, kv_heads=1, head_dim=16, stored=600, new=new, steps=2,
+                         sliding=300)
+    assert layer.first_visible > 0
+    _check(td, layer, 2, new, padding_mask(layer, new, [0]))
+
+
+def test_small_head_dim_falls_back(td, monkeypatch):
+    calls = _routed(td, monkeypatch)
+    layer = filled_layer("k4c16-v4t8-w16", batch=1, kv_heads=1, head_dim=8, stored=40, new=20)
+    q = query_for(layer, 1, 20)
+    assert torch.equal(td.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2-sink4", "int8"])
+def test_prefill_on_gpu(spec, monkeypatch):
+    from kvsqueeze.kernels import triton_decode, triton_prefill
+
+    monkeypatch.setattr(triton_prefill, "BLOCK_M", 32)
+    monkeypatch.setattr(triton_prefill, "BLOCK_N", 32)
+    layer = filled_layer(spec, batch=2, kv_heads=8, head_dim=128, stored=3000, new=300, steps=2, device="cuda")
+    _check(triton_decode, layer, 32, 300, padding_mask(layer, 300, [0, 1000]), atol=1e-4)
