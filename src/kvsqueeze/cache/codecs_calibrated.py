@@ -310,7 +310,18 @@ def decode_outliers(dense: torch.Tensor, oidx: torch.Tensor, oval: torch.Tensor)
 
 
 def make_calibrated_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
+    import dataclasses
+
+    from .codecs_transform import TransformedCodec, TransformExtras
+
     ex = spec.extras
+    if isinstance(ex, TransformExtras):  # a transform around any codec (inner extras, or a plain spec)
+        if isinstance(ex.inner, PreRopeExtras):
+            raise ValueError("a transform cannot wrap pre-RoPE keys (the codec would see transformed keys)")
+        from .codecs import make_codec
+
+        return TransformedCodec(spec, head_dim, make_codec(dataclasses.replace(spec, extras=ex.inner), head_dim,
+                                                           dtype))
     if isinstance(ex, PreRopeExtras):
         return PreRopeKeyCodec(spec, head_dim, ex)
     if ex is None or isinstance(ex, GroupExtras):
@@ -318,7 +329,8 @@ def make_calibrated_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) ->
             raise ValueError("calibrated group codecs store per-token integer or ternary codes; "
                              f"got fmt={spec.fmt!r}, axis={spec.axis!r}")
         return PermutedGroupCodec(spec, head_dim, ex)
-    raise ValueError(f"unknown calibrated extras {type(ex).__name__}; allowed: GroupExtras, PreRopeExtras")
+    raise ValueError(f"unknown calibrated extras {type(ex).__name__}; allowed: GroupExtras, PreRopeExtras, "
+                     "TransformExtras")
 
 
 def set_positions(codec: Codec, encode: int | None = None, decode: int | None = None) -> None:

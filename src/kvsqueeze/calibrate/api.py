@@ -10,14 +10,24 @@ from ..spec import QuantSpec
 from .artifact import Artifact, Side
 from .clip import CLIP_MODES
 from .collect import Activations, CalibrationData, collect
+from .invertible import (
+    GROUPING_DEFAULTS,
+    GROUPINGS,
+    TRANSFORMS,
+    LearnSettings,
+    calibrate_invertible,
+    grouping_quants,
+)
 from .kvquant import calibrate_kvquant_keys
 from .skvq import calibrate_skvq, side_quant
 
-METHODS = ("skvq", "kvquant", "hybrid")
+METHODS = ("skvq", "kvquant", "hybrid", "invertible")
 METHOD_HELP = {"skvq": "SKVQ: reordered per-token groups, searched clip ratios, fp8 group parameters",
                "kvquant": "KVQuant-style: pre-RoPE per-channel keys with static ranges and sparse outliers; "
                           "per-token values",
-               "hybrid": "KVQuant-style keys with SKVQ values"}
+               "hybrid": "KVQuant-style keys with SKVQ values",
+               "invertible": "learned invertible key/value transforms (keys RoPE-commuting or online) folded into "
+                             "the attention weights, with a per-token, KIVI or SKVQ grouping"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,11 @@ class CalibrationSettings:
     nuq: bool = False
     window: int = 128
     sinks: int = 4
+    transform: str = "learned-folded"  # invertible method only
+    grouping: str = "token"  # invertible method only
+    steps: int = 150
+    rank: int = 8
+    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,6 +63,14 @@ class CalibrationSettings:
             raise ValueError(f"outliers per token must be >= 0, got {self.outliers}")
         if self.window < 0 or self.sinks < 0:
             raise ValueError("window and sinks must be non-negative")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"unknown transform {self.transform!r}; allowed: {', '.join(TRANSFORMS)}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(f"unknown grouping {self.grouping!r}; allowed: {', '.join(GROUPINGS)}")
+        if self.steps < 0 or self.rank < 0:
+            raise ValueError(f"--steps and --rank must be non-negative, got {self.steps} and {self.rank}")
+        if self.method == "invertible" and self.value_bits == 1.5 and self.grouping != "skvq":
+            raise ValueError("1.5-bit (ternary) values need --grouping skvq")
 
     def value_quant(self) -> QuantSpec:
         if self.value_bits == 1.5:
@@ -62,6 +85,11 @@ class CalibrationSettings:
             return "all" if x is None else str(x)
 
         vb = "1.5" if self.value_bits == 1.5 else str(int(self.value_bits))
+        if self.method == "invertible":
+            parts = [model_name, "invertible", self.transform, self.grouping, f"k{self.key_bits}g{g(self.key_group)}",
+                     f"v{vb}g{g(self.value_group)}", self.param_dtype.replace("-e4m3", ""), f"w{self.window}",
+                     f"s{self.sinks}"]
+            return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts))
         if self.method == "skvq":
             k = f"k{self.key_bits}g{g(self.key_group)}"
         else:
@@ -78,6 +106,11 @@ def calibrate_activations(acts: Activations, settings: CalibrationSettings, prog
                           ) -> list[dict[str, Side]]:
     s = settings
     ws = {"window": s.window, "sinks": s.sinks}  # the objective sees what the cache will keep exact
+    if s.method == "invertible":
+        kq, vq = grouping_quants(s.grouping, s.key_bits, s.value_bits, s.key_group, s.value_group, s.param_dtype)
+        return calibrate_invertible(acts, s.transform, s.grouping, kq, vq, LearnSettings(steps=s.steps, rank=s.rank,
+                                                                                          seed=s.seed),
+                                    progress=progress, **ws)
     if s.method == "kvquant":
         keys = calibrate_kvquant_keys(acts, s.key_bits, s.outliers, s.nuq, progress=progress, **ws)
         return [{"key": k, "value": Side("plain", s.value_quant()) if k.kind != "none" else
@@ -109,3 +142,10 @@ def calibrate(model: Any, data: CalibrationData, settings: CalibrationSettings, 
                     window=settings.window, sinks=settings.sinks, calibration=data.provenance,
                     settings={k: getattr(settings, k) for k in settings.__dataclass_fields__},
                     layers=layers, rope={"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling})
+
+
+def method_defaults(method: str, grouping: str = "token") -> dict[str, Any]:
+    """Defaults of the settings the CLI leaves unset: bits, group sizes and parameter dtype per method."""
+    if method == "invertible":
+        return {"key_bits": 4, "value_bits": 4.0, **GROUPING_DEFAULTS.get(grouping, GROUPING_DEFAULTS["token"])}
+    return {"key_bits": 2, "value_bits": None, "key_group": 32, "value_group": 32, "param_dtype": "fp8-e4m3"}

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..cache.codecs_calibrated import GroupExtras, PreRopeExtras
+from ..cache.codecs_transform import TransformExtras
 from ..spec import CacheSpec, QuantSpec
 
 FORMAT = "kvsqueeze-calibration"
@@ -36,6 +37,8 @@ class Side:
 
     kind "none" (full precision), "plain" (a QuantSpec, no tensors), "group" (SKVQ: ``perm`` [H, D] and/or
     ``clip`` [H, D/group]), "prerope" (KVQuant-style keys: ``lo``, ``hi`` [H, D], optional ``codebook``).
+    Any kind but "prerope" may also carry an invertible transform applied before it: ``transform`` (A) and
+    ``transform_inv`` (A^-1) [H, D, D], with ``settings["transform"]["family"]`` ("rope-commuting" or "general").
     """
 
     kind: str
@@ -63,6 +66,17 @@ class Artifact:
 
     # -------------------------------------------------------------------- cache spec
     def _quant(self, side: Side) -> QuantSpec:
+        q = self._inner_quant(side)
+        if "transform" not in side.tensors:
+            return q
+        if side.kind == "prerope":
+            raise ValueError("a transform cannot be combined with pre-RoPE keys")
+        info = side.settings.get("transform") or {}
+        ex = TransformExtras(side.tensors["transform"], side.tensors["transform_inv"], info.get("family") or
+                             "general", inner=q.extras, name=info.get("name") or "transform")
+        return dataclasses.replace(q, extras=ex)
+
+    def _inner_quant(self, side: Side) -> QuantSpec:
         t = side.tensors
         if side.kind in ("none", "plain"):
             return side.quant
@@ -97,6 +111,36 @@ class Artifact:
         return dataclasses.replace(self, layers=layers, name=self.name + "-vfolded", path=None,
                                    settings={**self.settings, "values_folded": True})
 
+    def transforms(self, side: str) -> list[tuple[torch.Tensor, torch.Tensor, str] | None]:
+        """Per layer (A, A^-1, family) of ``side`` ("key" or "value"), or None where it has no transform."""
+        out = []
+        for lay in self.layers:
+            s = lay[side]
+            t = s.tensors
+            out.append((t["transform"], t["transform_inv"], (s.settings.get("transform") or {}).get("family") or
+                        "general") if "transform" in t else None)
+        return out
+
+    def with_transforms_folded(self) -> Artifact:
+        """A copy without its transforms, for the model they were folded into
+        (:func:`kvsqueeze.calibrate.fold.fold_transforms`).  ValueError if a key transform is not RoPE-commuting
+        (it cannot be folded before RoPE and must stay online)."""
+        online = [i for i, t in enumerate(self.transforms("key")) if t is not None and t[2] != "rope-commuting"]
+        if online:
+            raise ValueError(f"the key transforms of layers {online[:5]}{'...' if len(online) > 5 else ''} are not "
+                             "RoPE-commuting (online transforms): they cannot be folded into a checkpoint; "
+                             "calibrate with --transform learned-folded or smooth to export")
+        layers = []
+        for lay in self.layers:
+            new = {}
+            for name, s in lay.items():
+                t = {k: x for k, x in s.tensors.items() if k not in ("transform", "transform_inv")}
+                new[name] = dataclasses.replace(s, tensors=t, settings={**s.settings, "folded": "transform" in
+                                                                        s.tensors})
+            layers.append(new)
+        return dataclasses.replace(self, layers=layers, name=self.name + "-folded", path=None,
+                                   settings={**self.settings, "transforms_folded": True})
+
     # -------------------------------------------------------------------- files
     def save(self, parent: str | Path, overwrite: bool = False) -> Path:
         """Write ``parent/<name>/`` atomically (temporary directory, then rename); returns the directory."""
@@ -113,7 +157,7 @@ class Artifact:
             for i, lay in enumerate(self.layers):
                 for side_name, side in lay.items():
                     for tname, t in side.tensors.items():
-                        tensors[f"layers.{i}.{side_name}.{tname}"] = t.contiguous()
+                        tensors[f"layers.{i}.{side_name}.{tname}"] = t.contiguous().clone()  # no shared storage
             save_file(tensors, str(tmp / TENSORS_FILE))
             doc = {"format": FORMAT, "version": VERSION, "name": self.name, "method": self.method,
                    "model": self.model, "cache": {"window": self.window, "sinks": self.sinks},
@@ -231,6 +275,9 @@ def check_overrides(spec: CacheSpec, layout: Any | None) -> None:
         for side, q in (("key", k), ("value", v)):
             ex = q.extras
             try:
+                if isinstance(ex, TransformExtras):
+                    ex.check(heads, head_dim)
+                    ex = ex.inner
                 if isinstance(ex, GroupExtras):
                     g = head_dim if q.group is None else q.group
                     ex.check(heads, head_dim, head_dim // g)

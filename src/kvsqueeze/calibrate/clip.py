@@ -24,16 +24,16 @@ def query_positions(length: int, n: int = 128, start: int = 16) -> torch.Tensor:
 
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scaling: float,
                   k_hat: torch.Tensor | None = None, v_hat: torch.Tensor | None = None, window: int = 0,
-                  sinks: int = 0) -> torch.Tensor:
+                  sinks: int = 0, q_selected: bool = False) -> torch.Tensor:
     """Causal attention of the queries at ``qpos``: q [N, Hq, L, D], k/v [N, Hkv, L, D] -> [N, Hkv, rep*|qpos|, D]
-    (query heads grouped by KV head).
+    (query heads grouped by KV head).  ``q_selected``: q is already [N, Hq, |qpos|, D] (the queries at qpos).
 
     With ``k_hat``/``v_hat`` (the quantized K/V), each query sees what the cache would give it: the first
     ``sinks`` tokens and its ``window`` most recent tokens (itself included) exact, older tokens quantized."""
-    n, hq, length, d = q.shape
-    hkv = k.shape[1]
+    n, hq, _, d = q.shape
+    length, hkv = k.shape[2], k.shape[1]
     rep = hq // hkv
-    qs = q[:, :, qpos].float().reshape(n, hkv, -1, d)  # [N, Hkv, rep*P, D]
+    qs = (q if q_selected else q[:, :, qpos]).float().reshape(n, hkv, -1, d)  # [N, Hkv, rep*P, D]
     kpos = torch.arange(length)
     allowed = (kpos[None, :] <= qpos[:, None]).repeat(rep, 1)  # [rep*P, L]
     s = torch.matmul(qs, k.float().transpose(-1, -2)) * scaling

@@ -9,6 +9,7 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvsqueeze.calibrate.api import METHOD_HELP, METHODS
     from kvsqueeze.calibrate.clip import CLIP_MODES
+    from kvsqueeze.calibrate.invertible import GROUPINGS, TRANSFORM_HELP
 
     p.add_argument("--method", required=True, choices=METHODS,
                    help="; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items()))
@@ -27,14 +28,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kvsqueeze ppl never evaluates); earlier starts need --allow-overlap")
     p.add_argument("--allow-overlap", action="store_true",
                    help="accept a calibration slice overlapping the evaluation chunks (recorded in the artifact)")
-    p.add_argument("--key-bits", type=int, default=2, help="key code bits (default 2)")
+    p.add_argument("--key-bits", type=int, default=None, help="key code bits (default 2; 4 for invertible)")
     p.add_argument("--value-bits", type=float, default=None,
                    help="value bits: 1.5 (ternary, docs/calibrated.md), 1, 2, 3, 4, 8 (default: 1.5 for skvq and "
-                        "hybrid, the key bits for kvquant)")
-    p.add_argument("--key-group", type=int, default=32, help="SKVQ key group size in channels (default 32)")
-    p.add_argument("--value-group", type=int, default=32, help="value group size in channels (default 32)")
-    p.add_argument("--param-dtype", default="fp8-e4m3", choices=["fp8-e4m3", "fp16", "bf16", "fp32"],
-                   help="dtype of group scales/zeros (default fp8-e4m3 as SKVQ)")
+                        "hybrid, the key bits for kvquant and invertible)")
+    p.add_argument("--key-group", type=int, default=None,
+                   help="key group size (default 32; invertible: 64 for --grouping token, in tokens for kivi)")
+    p.add_argument("--value-group", type=int, default=None, help="value group size in channels (default 32; "
+                                                                  "invertible --grouping token: 64)")
+    p.add_argument("--param-dtype", default=None, choices=["fp8-e4m3", "fp16", "bf16", "fp32"],
+                   help="dtype of group scales/zeros (default fp8-e4m3 as SKVQ; invertible token/kivi: fp16)")
+    p.add_argument("--transform", default="learned-folded", choices=list(TRANSFORM_HELP),
+                   help="invertible: " + "; ".join(f"{k}: {v}" for k, v in TRANSFORM_HELP.items()))
+    p.add_argument("--grouping", default="token", choices=GROUPINGS,
+                   help="invertible: the quantizer behind the transform - per-token groups (default), kivi "
+                        "(per-channel keys, per-token values) or skvq (reorder + clip search)")
+    p.add_argument("--steps", type=int, default=150, help="invertible: Adam steps per layer (default 150)")
+    p.add_argument("--rank", type=int, default=8, help="invertible: rank of the Woodbury updates (default 8)")
     p.add_argument("--no-reorder", action="store_true", help="SKVQ without channel reordering (ablation)")
     p.add_argument("--clip", default="layer", choices=CLIP_MODES,
                    help="clip-ratio search granularity (default layer; none = plain RTN ranges)")
@@ -46,25 +56,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="parent folder: the artifact is written to OUT/<name of settings>")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact of the same name")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --generated sampling (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of --generated sampling and of the invertible method's initialisation (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from kvsqueeze.calibrate.api import CalibrationSettings, calibrate
+    from kvsqueeze.calibrate.api import CalibrationSettings, calibrate, method_defaults
     from kvsqueeze.calibrate.collect import corpus_samples, generated_samples
     from kvsqueeze.eval import corpus as corpus_mod
     from kvsqueeze.eval import meta
 
     start = time.perf_counter()
+    dflt = method_defaults(args.method, args.grouping)
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return dflt[name] if v is None else v
+
+    key_bits = pick("key_bits")
     value_bits = args.value_bits if args.value_bits is not None else (
-        float(args.key_bits) if args.method == "kvquant" else 1.5)
+        float(key_bits) if args.method in ("kvquant", "invertible") else 1.5)
     settings = CalibrationSettings(  # bad settings fail here, before the model is loaded
-        method=args.method, key_bits=args.key_bits, value_bits=value_bits, key_group=args.key_group,
-        value_group=args.value_group, param_dtype=args.param_dtype, reorder=not args.no_reorder, clip=args.clip,
-        outliers=args.outliers, nuq=args.nuq, window=args.window, sinks=args.sinks)
+        method=args.method, key_bits=key_bits, value_bits=value_bits, key_group=pick("key_group"),
+        value_group=pick("value_group"), param_dtype=pick("param_dtype"), reorder=not args.no_reorder, clip=args.clip,
+        outliers=args.outliers, nuq=args.nuq, window=args.window, sinks=args.sinks, transform=args.transform,
+        grouping=args.grouping, steps=args.steps, rank=args.rank, seed=args.seed)
     corpus = None if args.generated else corpus_mod.resolve_corpus(args.text, args.dataset)
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
     progress = not args.quiet
