@@ -68,6 +68,26 @@ def rows(quick: bool) -> list[tuple[str, str, Any]]:
     return base + rtn + kivi + ablation + skvq + kvq + hyb
 
 
+def transform_rows(quick: bool, steps: int) -> list[tuple[str, str, Any]]:
+    """The invertible-transform table: every transform with per-token and KIVI grouping at 4/3/2 bits, and with
+    SKVQ grouping at 2 bits (issue: learned transforms vs Hadamard / SmoothAttention baselines)."""
+    from kvsqueeze.calibrate.invertible import GROUPING_DEFAULTS, TRANSFORMS
+
+    def inv(grouping: str, bits: int, transform: str) -> CalibrationSettings:
+        return CalibrationSettings(method="invertible", transform=transform, grouping=grouping, key_bits=bits,
+                                   value_bits=bits, steps=steps, window=W, sinks=S, **GROUPING_DEFAULTS[grouping])
+
+    names = {"token": "per-token g64 fp16", "kivi": "KIVI (K per-channel g32, V per-token g32, fp16)",
+             "skvq": "SKVQ grouping (g32 fp8, reorder + clip)"}
+    out: list[tuple[str, str, Any]] = [("full precision", "fp32", "full")]
+    plan = [("token", b) for b in (4, 3, 2)] + [("kivi", b) for b in (4, 3, 2)] + [("skvq", 2)]
+    if quick:
+        plan = [("token", 4), ("token", 2)]
+    for grouping, b in plan:
+        out += [(f"{names[grouping]}, {b}-bit", t, inv(grouping, b, t)) for t in TRANSFORMS]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--context", type=int, default=2048)
@@ -84,6 +104,9 @@ def main() -> int:
     ap.add_argument("--no-retrieval", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write every number here")
+    ap.add_argument("--table", default="calibrated", choices=["calibrated", "transforms"],
+                    help="calibrated: RTN/KIVI/SKVQ/KVQuant rows; transforms: the invertible-transform rows")
+    ap.add_argument("--steps", type=int, default=100, help="transforms table: Adam steps per layer (default 100)")
     args = ap.parse_args()
 
     from kvsqueeze.eval import meta
@@ -94,7 +117,7 @@ def main() -> int:
     ids = corpus_mod.tokenize(corpus, tok)
     chunks = corpus_mod.eval_chunks(ids, args.context, args.chunks)
     protocols = [p for p in args.protocols.split(",") if p]
-    todo = rows(args.quick)
+    todo = rows(args.quick) if args.table == "calibrated" else transform_rows(args.quick, args.steps)
     if args.only:
         keys = [k.strip() for k in args.only.split("|")]
         todo = [r for r in todo if r[2] == "full" or any(k in f"{r[0]} {r[1]}" for k in keys)]
@@ -111,11 +134,15 @@ def main() -> int:
             return load_artifact(path).cache_spec(), str(path)
         if acts is None:
             data = corpus_samples(corpus, tok, args.calib_samples, args.calib_length)
+            t_collect = time.perf_counter()
             acts = collect(model, data.ids, progress=False)
+            data.provenance["collect_seconds"] = time.perf_counter() - t_collect
+        t_cal = time.perf_counter()
         layers = calibrate_activations(acts, settings, progress=False)
+        data.provenance["calibrate_seconds"] = time.perf_counter() - t_cal
         info = {"name": "smollm2-135m", "num_layers": len(layers), "num_kv_heads": acts.num_kv_heads,
                 "head_dim": acts.head_dim}
-        art = Artifact(settings.method, name, info, settings.window, settings.sinks, data.provenance,
+        art = Artifact(settings.method, name, info, settings.window, settings.sinks, dict(data.provenance),
                        {k: getattr(settings, k) for k in settings.__dataclass_fields__}, layers,
                        {"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling})
         art.save(out_dir, overwrite=True)
@@ -130,6 +157,14 @@ def main() -> int:
         else:
             spec, kv_name = preset(src), src
         rec: dict[str, Any] = {"group": group, "label": label, "kv": kv_name, "spec": spec.label()}
+        if isinstance(src, CalibrationSettings):
+            prov = load_artifact(kv_name).calibration
+            rec["calibration_seconds"] = prov.get("calibrate_seconds")
+            rec["collect_seconds"] = prov.get("collect_seconds")
+            if src.method == "invertible":
+                from kvsqueeze.calibrate.invertible import describe_conditioning
+
+                rec["condition"] = describe_conditioning(load_artifact(kv_name).layers)
         for proto in protocols:
             nll_sum, count = 0.0, 0
             for i in range(chunks.shape[0]):
@@ -185,6 +220,10 @@ def print_markdown(results, retrieval, protocols, args, corpus, threads, seconds
     for p in protocols:
         head += f" {p} ppl | vs full |"
         sep += "---|---|"
+    extra = args.table == "transforms"
+    if extra:
+        head += " calibration s | max condition K / V |"
+        sep += "---|---|"
     print(head)
     print(sep)
     for r in results:
@@ -195,6 +234,11 @@ def print_markdown(results, retrieval, protocols, args, corpus, threads, seconds
             ppl = r[p]["ppl"]
             rel = "—" if full is None or r is full else f"{100 * (ppl / full[p]['ppl'] - 1):+.2f}%"
             line += f" {ppl:.3f} | {rel} |"
+        if extra:
+            cal, cond = r.get("calibration_seconds"), r.get("condition")
+            line += f" {'–' if cal is None else f'{cal:.0f}'} |"
+            cond_text = "–" if cond is None else f"{cond['key']:.1f} / {cond['value']:.1f}"
+            line += f" {cond_text} |"
         print(line)
     if retrieval:
         print(f"\nPasskey retrieval at {args.retrieval_length} tokens (depths {args.retrieval_depths}, "
