@@ -219,3 +219,17 @@ def test_hadamard_baseline_is_exactly_the_hadamard(tiny_llama):
     art = calibrate(tiny_llama, data, s, "tiny", progress=False)
     a, inv, fam = art.transforms("key")[0]
     assert fam == "general" and torch.allclose(a[0], hadamard(D)) and torch.allclose(inv[0], hadamard(D).T)
+
+
+def test_export_cli_refuses_a_non_empty_directory_and_bad_artifacts(learned, tmp_path, capsys):
+    from kvsqueeze.cli import main
+
+    _, path = learned
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", "--kv", str(path), "--folded", str(out), "--quiet"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert main(["export", "--kv", str(tmp_path / "missing"), "--folded", str(tmp_path / "o2"), "--quiet"]) == 2
+    assert "artifact" in capsys.readouterr().err
