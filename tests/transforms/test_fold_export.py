@@ -233,3 +233,19 @@ def test_export_cli_refuses_a_non_empty_directory_and_bad_artifacts(learned, tmp
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert main(["export", "--kv", str(tmp_path / "missing"), "--folded", str(tmp_path / "o2"), "--quiet"]) == 2
     assert "artifact" in capsys.readouterr().err
+
+
+def test_learning_is_deterministic_for_a_seed_and_online_keys_are_general(tiny_llama):
+    data = CalibrationData(_ids(1, 64, seed=4), {"source": "random ids (test)"})
+
+    def run(seed: int):
+        s = CalibrationSettings(method="invertible", transform="learned-online", key_bits=3, value_bits=3,
+                                key_group=64, value_group=64, param_dtype="fp16", steps=5, seed=seed, window=8,
+                                sinks=1)
+        return calibrate(tiny_llama, data, s, "tiny", progress=False)
+
+    a, b, c = run(0), run(0), run(1)
+    ka, kb, kc = a.transforms("key")[0], b.transforms("key")[0], c.transforms("key")[0]
+    assert torch.equal(ka[0], kb[0]) and torch.equal(a.transforms("value")[1][0], b.transforms("value")[1][0])
+    assert not torch.equal(ka[0], kc[0])
+    assert ka[2] == "general"

@@ -165,7 +165,6 @@ def transformed_error(acts: LayerActivations, qs: torch.Tensor, qpos: torch.Tens
 def learn_layer(acts: LayerActivations, transform: str, kq: QuantSpec, vq: QuantSpec, learn: LearnSettings
                 ) -> tuple[dict[str, torch.Tensor | None], dict[str, Any]]:
     """Transforms of one layer: {"key": (A, A^-1) or None, "value": ...} and a record of errors/conditioning."""
-    torch.manual_seed(learn.seed)
     length = acts.k.shape[2]
     qpos = query_positions(length, learn.max_queries, start=16)
     qs = acts.q[:, :, qpos]
