@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..atomic_dir import staged_directory
 from ..cache.codecs_calibrated import GroupExtras, PreRopeExtras
 from ..cache.codecs_transform import TransformExtras
 from ..spec import CacheSpec, QuantSpec
@@ -144,15 +142,17 @@ class Artifact:
     # -------------------------------------------------------------------- files
     def save(self, parent: str | Path, overwrite: bool = False) -> Path:
         """Write ``parent/<name>/`` atomically (temporary directory, then rename); returns the directory."""
-        from safetensors.torch import save_file
-
-        parent = Path(parent).expanduser()
-        parent.mkdir(parents=True, exist_ok=True)
-        dest = parent / self.name
+        dest = Path(parent).expanduser() / self.name
         if dest.exists() and not overwrite:
             raise ValueError(f"{dest} already exists; remove it or pass --overwrite")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{self.name}.tmp-", dir=parent))
-        try:
+        return self.save_to(dest)
+
+    def save_to(self, dest: str | Path) -> Path:
+        """Write the artifact as the directory ``dest`` (replacing it), atomically; returns ``dest``."""
+        from safetensors.torch import save_file
+
+        dest = Path(dest).expanduser()
+        with staged_directory(dest) as tmp:
             tensors = {"rope.inv_freq": self.rope["inv_freq"].float().contiguous()}
             for i, lay in enumerate(self.layers):
                 for side_name, side in lay.items():
@@ -166,16 +166,6 @@ class Artifact:
                    "layers": [{k: s.to_json() for k, s in lay.items()} for lay in self.layers],
                    "tensor_shapes": {k: list(v.shape) for k, v in tensors.items()}}
             (tmp / SPEC_FILE).write_text(json.dumps(doc, indent=1, default=_json_default) + "\n")
-            if dest.exists():  # overwrite: move the old one aside first so the swap is quick
-                old = parent / f".{self.name}.old-{os.getpid()}"
-                os.replace(dest, old)
-                os.replace(tmp, dest)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self.path = str(dest)
         return dest
 

@@ -10,9 +10,6 @@ removed (``kvsqueeze-artifact/``), which kvsqueeze's own cache uses with the fol
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +40,7 @@ def export_folded(artifact_path: str | Path, out_dir: str | Path, model_source: 
     """Fold ``artifact_path``'s transforms into the model and write ``out_dir`` atomically; returns a record."""
     from transformers import AutoModelForCausalLM
 
+    from ..atomic_dir import staged_directory
     from ..cache.hf_adapter import kv_layout
     from ..models import load_model
     from .artifact import check_overrides, load_artifact
@@ -63,15 +61,10 @@ def export_folded(artifact_path: str | Path, out_dir: str | Path, model_source: 
     ids = tok(PROBE_TEXT, return_tensors="pt").input_ids
     ref = model(input_ids=ids).logits.float()
     fold_transforms(model, keys, values, art.rope["inv_freq"])
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    try:
+    with staged_directory(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        saved = folded_art.save(tmp / "_a")
-        os.replace(saved, tmp / ARTIFACT_SUBDIR)
-        shutil.rmtree(tmp / "_a", ignore_errors=True)
+        folded_art.save_to(tmp / ARTIFACT_SUBDIR)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype)
         reloaded.eval()
         err = logits_error(ref, reloaded(input_ids=ids).logits.float())
@@ -82,15 +75,5 @@ def export_folded(artifact_path: str | Path, out_dir: str | Path, model_source: 
                   "probe_tokens": int(ids.shape[1]), "logits_error": err, "folded_artifact": ARTIFACT_SUBDIR,
                   "method": art.method, "settings": art.settings}
         (tmp / EXPORT_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
-        if out.exists():
-            old = parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     record["path"] = str(out)
     return record

@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..atomic_dir import staged_directory
 from ..cache.static import LAYOUTS, StaticKVQuant
 
 if TYPE_CHECKING:  # torch is imported where it is used, so a runner importing this module stays torch-free
@@ -101,9 +100,7 @@ def export_static_graphs(
     out = Path(out_dir).expanduser()
     steps = {m: StaticStep(model, max_len, m, layout=layout, quant=quant).eval() for m in ("prefill", "decode")}
     meta = graph_metadata(model, steps["decode"], batch_size, extra_meta)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out) as tmp:
         stored: dict[str, int] = {}
         with open(tmp / WEIGHTS_FILE, "wb") as weights:
             for mode, step in steps.items():
@@ -116,11 +113,6 @@ def export_static_graphs(
         if quant is not None:
             quant.save(tmp / QUANT_FILE)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
