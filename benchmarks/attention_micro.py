@@ -161,17 +161,7 @@ def bench_gpu(args) -> None:
                     methods[f"dequant+SDPA {p}"] = lambda la=la: deq_sdpa(la)
                 res = {}
                 for m, fn in methods.items():
-                    fn()
-                    torch.cuda.synchronize()
-                    ts = []
-                    for _ in range(args.reps):
-                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        a.record()
-                        fn()
-                        b.record()
-                        torch.cuda.synchronize()
-                        ts.append(a.elapsed_time(b))
-                    res[m] = statistics.median(ts)
+                    res[m] = _cuda_ms(fn, args.reps)
                 for m, t in res.items():
                     print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")
                 del layers, kk, vv

@@ -1,10 +1,16 @@
-"""Shared builders for kernel tests: a filled LayerKV, queries and masks."""
+"""Shared builders and checks for kernel tests: a filled LayerKV, queries, masks, comparison with the reference."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from kvsqueeze.cache.layer import LayerKV
+from kvsqueeze.kernels.dispatch import reference_attend_layer
 from kvsqueeze.spec import CacheSpec, preset
 
 
@@ -46,3 +52,24 @@ def padding_mask(layer: LayerKV, new: int, pads: list[int]) -> torch.Tensor:
     causal = cols[None, :] <= rows[:, None]
     m = torch.stack([causal & (cols[None, :] >= p) for p in pads])
     return m[:, None].to(layer.store.device)
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def require_triton_runtime() -> None:
+    """Skip unless Triton kernels can run here: on a GPU, or on CPU under the interpreter (tests/kernels/conftest.py
+    switches it on when there is no GPU)."""
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the interpreter is off")
+
+
+def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new: int,
+                             mask: torch.Tensor | None = None, atol: float = 5e-5) -> None:
+    """``attend(q, layer, mask, 0.125)`` equals the block-by-block reference: same shape and dtype (the query's),
+    values within ``atol``."""
+    q = query_for(layer, q_heads, new)
+    ref = reference_attend_layer(q, layer, mask, 0.125)
+    got = attend(q, layer, mask, 0.125)
+    assert got.shape == ref.shape and got.dtype == ref.dtype == q.dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=0)

@@ -6,17 +6,20 @@ Triton is not installed; the interpreter is slow, so the CPU cases use tiny chun
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from kvsqueeze.kernels.dispatch import reference_attend_layer
 
-from ._helpers import filled_layer, padding_mask, query_for
+from ._helpers import (
+    HAS_TRITON,
+    assert_matches_reference,
+    filled_layer,
+    padding_mask,
+    query_for,
+    require_triton_runtime,
+)
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
@@ -25,24 +28,17 @@ def td(monkeypatch):
     """The Triton module, interpreting on CPU unless a GPU is present."""
     from kvsqueeze.kernels import triton_decode  # interpreted on CPU: see tests/kernels/conftest.py
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and the interpreter is off")
+    require_triton_runtime()
     monkeypatch.setattr(triton_decode, "CHUNK", 32)
     monkeypatch.setattr(triton_decode, "BLOCK_T", 32)
     return triton_decode
 
 
-def _check(td, layer, q_heads, new, mask=None):
-    q = query_for(layer, q_heads, new)
-    ref = reference_attend_layer(q, layer, mask, 0.125)
-    got = td.attend_layer(q, layer, mask, 0.125)
-    torch.testing.assert_close(got, ref, atol=5e-5, rtol=0)
-
 
 @pytest.mark.parametrize("spec,new", [("kivi-2-sink4", 1), ("k8t16-v4c16-w16", 2), ("kivi-4", 1), ("full", 1)])
 def test_fused_decode_matches_reference_interpreted(td, spec, new):
     layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=32, stored=90 if spec != "kivi-4" else 200, new=new, steps=2)
-    _check(td, layer, 2, new, padding_mask(layer, new, [0, 21]))
+    assert_matches_reference(td.attend_layer, layer, 2, new, padding_mask(layer, new, [0, 21]))
 
 
 def test_unsupported_layouts_fall_back(td):
@@ -59,4 +55,4 @@ def test_fused_decode_on_gpu(spec):
     from kvsqueeze.kernels import triton_decode
 
     layer = filled_layer(spec, batch=4, kv_heads=8, head_dim=128, stored=5000, new=1, steps=3, device="cuda")
-    _check(triton_decode, layer, 32, 1, padding_mask(layer, 1, [0, 100, 7, 4000]))
+    assert_matches_reference(triton_decode.attend_layer, layer, 32, 1, padding_mask(layer, 1, [0, 100, 7, 4000]))

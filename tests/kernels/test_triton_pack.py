@@ -6,18 +6,14 @@ must be bit-identical; zero offsets equal in value (the sign of a 0.0 minimum de
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from kvsqueeze.cache.codecs import IntChannelCodec, IntTokenCodec
 from kvsqueeze.spec import QuantSpec
 
-from ._helpers import filled_layer
+from ._helpers import HAS_TRITON, filled_layer, require_triton_runtime
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
@@ -25,8 +21,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 def tp():
     from kvsqueeze.kernels import triton_pack
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and the interpreter is off")
+    require_triton_runtime()
     return triton_pack
 
 
