@@ -249,3 +249,12 @@ def test_learning_is_deterministic_for_a_seed_and_online_keys_are_general(tiny_l
     assert torch.equal(ka[0], kb[0]) and torch.equal(a.transforms("value")[1][0], b.transforms("value")[1][0])
     assert not torch.equal(ka[0], kc[0])
     assert ka[2] == "general"
+
+
+def test_bad_invertible_settings_name_the_allowed_values():
+    with pytest.raises(ValueError, match="allowed: none, hadamard, smooth, learned-folded, learned-online"):
+        CalibrationSettings(method="invertible", transform="rotate")
+    with pytest.raises(ValueError, match="allowed: token, kivi, skvq"):
+        CalibrationSettings(method="invertible", grouping="rows")
+    with pytest.raises(ValueError, match="need --grouping skvq"):
+        CalibrationSettings(method="invertible", value_bits=1.5, grouping="token")
