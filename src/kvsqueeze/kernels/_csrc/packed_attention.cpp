@@ -13,6 +13,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +24,8 @@
 
 namespace {
 
-constexpr int TILE = 32;  // tokens decoded at a time
+constexpr int TILE = 32;
+constexpr int PREFETCH_BYTES = 1024;  // tokens decoded at a time
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3 };
@@ -172,6 +175,62 @@ inline void affine(const Fmt& f, float s, float z, float& a, float& c) {
   }
 }
 
+// n parameters of one stored row as float, the dtype switch hoisted out of the loop
+inline void load_row(at::ScalarType dt, const char* p, int n, float* __restrict out) {
+  switch (dt) {
+    case at::kFloat: std::memcpy(out, p, sizeof(float) * n); return;
+    case at::kHalf: {
+      const c10::Half* x = reinterpret_cast<const c10::Half*>(p);
+      int i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8)  // the scalar conversion was a visible part of the decode step
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+      for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+      return;
+    }
+    case at::kBFloat16: {
+      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(p);
+      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+      return;
+    }
+    case at::kFloat8_e4m3fn: {
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(p);
+      for (int i = 0; i < n; ++i) out[i] = LUT_E4M3[x[i]];
+      return;
+    }
+    default: TORCH_CHECK(false, "unsupported parameter dtype");
+  }
+}
+
+// (a, c) of n parameter pairs of one row: the affine() of every (scale, zero), vectorisable
+inline void affine_row(const Side& sd, const char* sr, const char* zr, int n, float* __restrict a,
+                       float* __restrict c) {
+  const Fmt& f = sd.f;
+  load_row(sd.scale.dt, sr, n, a);
+  if (!f.sym) {
+    load_row(sd.zero.dt, zr, n, c);
+  } else {
+    const float m = f.bits == 1 ? -1.f : -static_cast<float>(1 << (f.bits - 1));
+    for (int i = 0; i < n; ++i) c[i] = m * a[i];
+    if (f.bits == 1)
+      for (int i = 0; i < n; ++i) a[i] *= 2.f;
+  }
+}
+
+// Per-token layouts: (a, c) of every group of tokens [t0, t0+n), NG floats per token, converted once per work
+// item so the token loops only load floats.
+inline void token_params(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int NG, float* A, float* C) {
+  const int64_t row_bytes = NG * static_cast<int64_t>(c10::elementSize(sd.scale.dt));
+  if (sd.scale.sr == row_bytes && (sd.f.sym || sd.zero.sr == row_bytes)) {  // rows contiguous: one pass
+    affine_row(sd, sd.scale.row(b, h, t0), sd.f.sym ? nullptr : sd.zero.row(b, h, t0), n * NG, A, C);
+    return;
+  }
+  for (int t = 0; t < n; ++t)
+    affine_row(sd, sd.scale.row(b, h, t0 + t), sd.f.sym ? nullptr : sd.zero.row(b, h, t0 + t), NG, A + t * NG,
+               C + t * NG);
+}
+
 // Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled
 // (without -ffast-math) into a sequential chain of scalar adds, which dominated the decode step.
 template <int DT>
@@ -319,6 +378,18 @@ inline float exp_sum(float* __restrict x, int n, float m) {
   return total;
 }
 
+// max of x[0:n] with 16 independent lanes (a plain float max loop is not vectorised without -ffast-math)
+inline float max_of(const float* x, int n) {
+  float p[16];
+  std::fill(p, p + 16, NEG_INF);
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) p[l] = p[l] > x[i + l] ? p[l] : x[i + l];
+  for (; i < n; ++i) p[0] = p[0] > x[i] ? p[0] : x[i];
+  for (int l = 1; l < 16; ++l) p[0] = p[0] > p[l] ? p[0] : p[l];
+  return p[0];
+}
+
 struct Item {
   int64_t seg, t0;
   int n;
@@ -330,8 +401,6 @@ struct Item {
 // unpacked in registers and consumed at once; nothing is written back to memory per token.
 typedef float vf __attribute__((vector_size(64), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
-typedef float vf8 __attribute__((vector_size(32), aligned(4)));
-typedef float vf4 __attribute__((vector_size(16), aligned(4)));
 
 inline vf loadf(const float* p) {
   vf v;
@@ -339,17 +408,24 @@ inline vf loadf(const float* p) {
   return v;
 }
 inline void storef(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
-inline float hsum(const vf& v) {
-  vf8 lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  const vf8 s8 = lo + hi;
-  vf4 a, b;
-  std::memcpy(&a, &s8, 16);
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
-  const vf4 s4 = a + b;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+
+// Lane t of the result = the sum of the 16 lanes of x[t]: four levels of two-input lane permutations and adds
+// (15 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.
+inline vf reduce16(const vf* x) {
+  const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  vf y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i) y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) +
+                                     __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1 + 8);
+  for (int i = 0; i < 4; ++i) z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2) +
+                                     __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2 + 4);
+  for (int i = 0; i < 2; ++i) w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], lo3) +
+                                     __builtin_shuffle(z[2 * i], z[2 * i + 1], lo3 + 2);
+  return __builtin_shuffle(w[0], w[1], lo4) + __builtin_shuffle(w[0], w[1], lo4 + 1);
 }
+
 template <int BITS>
 inline vf field(const uint8_t* __restrict src, int k) {  // k-th code of 16 consecutive bytes, as float
   // a plain widening loop compiles to one vpmovzxbd; __builtin_convertvector on uint8 vectors was scalarised
@@ -357,7 +433,10 @@ inline vf field(const uint8_t* __restrict src, int k) {  // k-th code of 16 cons
   for (int l = 0; l < 16; ++l) w[l] = src[l];
   vi x;
   std::memcpy(&x, w, sizeof(x));
-  if constexpr (BITS < 8) x = (x >> (k * BITS)) & ((1 << BITS) - 1);
+  if constexpr (BITS < 8) {
+    if (k) x = x >> (k * BITS);
+    if ((k + 1) * BITS < 8) x = x & ((1 << BITS) - 1);  // the top field of a byte needs no mask
+  }
   return __builtin_convertvector(x, vf);
 }
 
@@ -370,20 +449,16 @@ struct Layout {
   static constexpr int NV = DT / 16;
 };
 
-// Per-token group parameters spread over the unit blocks: lane l of block h belongs to group (16h+l)*per/G.
+// Per-token group parameters (ag, cg: this token's NG groups, read 16 floats wide, so the buffer is padded)
+// spread over the unit blocks: lane l of block h belongs to group (16h+l)*per/G.
 template <int DT, int BITS>
-inline void token_affine(const Side& sd, int64_t b, int64_t h, int64_t t, const int* gsel, vf* av, vf* cv) {
+inline void token_affine(int group, const float* ag, const float* cg, const int* gsel, vf* av, vf* cv) {
   using L = Layout<DT, BITS>;
-  const Fmt& f = sd.f;
-  const int NG = DT / f.group;
-  const char* sr = sd.scale.row(b, h, t);
-  const char* zr = f.sym ? nullptr : sd.zero.row(b, h, t);
-  float ag[16] = {0.f}, cg[16] = {0.f};
-  for (int g = 0; g < NG; ++g) affine(f, ld(sd.scale.dt, sr, g), zr ? ld(sd.zero.dt, zr, g) : 0.f, ag[g], cg[g]);
-  if (f.group / L::per >= 16) {  // every block lies in one group: broadcasts, no permutation
+  if (group / L::per >= 16) {  // every block lies in one group: broadcasts, no permutation
     for (int hb = 0; hb < L::UB; ++hb) {
-      av[hb] = vf{} + ag[gsel[hb * 16]];
-      cv[hb] = vf{} + cg[gsel[hb * 16]];
+      const int g = hb * 16 * L::per / group;  // computed, not looked up: a load chain stalled the loop
+      av[hb] = vf{} + ag[g];
+      cv[hb] = vf{} + cg[g];
     }
     return;
   }
@@ -397,20 +472,25 @@ inline void token_affine(const Side& sd, int64_t b, int64_t h, int64_t t, const 
 }
 
 // Scores of RB query rows (q in field-major order, already scaled) against tokens [t0, t0+n) of a segment.
+// A, C: per-token layouts' (a, c) from token_params.  Each token's RB partial-sum vectors are parked in buf and
+// reduced 16 tokens at a time.
 template <int DT, int BITS, int KIND, int RB>
 void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, float* s, int64_t s_stride,
-                 const int* gsel) {
+                 const int* gsel, const float* A, const float* C) {
   using L = Layout<DT, BITS>;
   vf qv[RB][L::NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < L::NV; ++i) qv[r][i] = loadf(q + r * DT + 16 * i);
   vf cst[RB];  // per-channel keys: q . zero of the current group
   vf qa[RB][L::NV];
+  vf buf[RB][16];
+  const int NG = KIND == INT_TOKEN ? DT / sd.f.group : 0;
   int64_t cur = -1;
   for (int t = 0; t < n; ++t) {
     vf acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = vf{};
     const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS != 32) __builtin_prefetch(row + PREFETCH_BYTES);
     if constexpr (BITS == 32) {
       const float* x = reinterpret_cast<const float*>(row);
       for (int i = 0; i < L::NV; ++i) {
@@ -421,14 +501,12 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
       const int64_t grow = (t0 + t) / sd.f.group;
       if (grow != cur) {  // fold this token group's (scale, zero) into the query
         cur = grow;
-        const Fmt& f = sd.f;
-        const char* sr = sd.scale.row(b, h, grow);
-        const char* zr = f.sym ? nullptr : sd.zero.row(b, h, grow);
-        float a[DT], c[DT];
+        float an[DT], cn[DT], a[DT], c[DT];
+        affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
         for (int k = 0; k < L::per; ++k)
           for (int u = 0; u < L::U; ++u) {
-            const int ch = u * L::per + k;
-            affine(f, ld(sd.scale.dt, sr, ch), zr ? ld(sd.zero.dt, zr, ch) : 0.f, a[k * L::U + u], c[k * L::U + u]);
+            a[k * L::U + u] = an[u * L::per + k];
+            c[k * L::U + u] = cn[u * L::per + k];
           }
         for (int r = 0; r < RB; ++r) {
           vf z = vf{};
@@ -448,7 +526,7 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
       for (int r = 0; r < RB; ++r) acc[r] += cst[r];
     } else {  // INT_TOKEN
       vf av[L::UB], cv[L::UB];
-      token_affine<DT, BITS>(sd, b, h, t0 + t, gsel, av, cv);
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, av, cv);
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
       for (int hb = 0; hb < L::UB; ++hb)
         for (int k = 0; k < L::per; ++k) {
@@ -456,18 +534,28 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
           for (int r = 0; r < RB; ++r) acc[r] += qv[r][k * L::UB + hb] * val;
         }
     }
-    for (int r = 0; r < RB; ++r) s[r * s_stride + t] = hsum(acc[r]);
+    const int l = t & 15;
+    for (int r = 0; r < RB; ++r) buf[r][l] = acc[r];
+    if (l == 15 || t == n - 1) {
+      for (int r = 0; r < RB; ++r) {
+        for (int j = l + 1; j < 16; ++j) buf[r][j] = vf{};
+        float red[16];
+        storef(red, reduce16(buf[r]));
+        std::memcpy(s + r * s_stride + (t - l), red, sizeof(float) * (l + 1));
+      }
+    }
   }
 }
 
 // acc (field-major) += sum_t p[r][t] * value_t for RB rows.
 template <int DT, int BITS, int RB>
 void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
-                 float* acc, int64_t acc_stride, const int* gsel) {
+                 float* acc, int64_t acc_stride, const int* gsel, const float* A, const float* C) {
   using L = Layout<DT, BITS>;
   vf a[RB][L::NV];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + 16 * i);
+  const int NG = BITS == 32 ? 0 : DT / sd.f.group;
   for (int t = 0; t < n; ++t) {
     float pr[RB];
     bool any = false;
@@ -477,6 +565,7 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     }
     if (!any) continue;
     const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS != 32) __builtin_prefetch(row + PREFETCH_BYTES);
     if constexpr (BITS == 32) {
       const float* x = reinterpret_cast<const float*>(row);
       for (int i = 0; i < L::NV; ++i) {
@@ -485,7 +574,7 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
       }
     } else {  // INT_TOKEN values
       vf av[L::UB], cv[L::UB];
-      token_affine<DT, BITS>(sd, b, h, t0 + t, gsel, av, cv);
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, av, cv);
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
       for (int hb = 0; hb < L::UB; ++hb)
         for (int k = 0; k < L::per; ++k) {
@@ -512,63 +601,72 @@ int fast_bits(const Side& sd, bool is_key) {
   return f.bits;
 }
 
+// Scratch for per-token parameters: (a, c) of every group of every token of a work item, padded for 16-wide reads.
+struct TokenParams {
+  float* A;
+  float* C;
+};
+
 template <int DT, int BITS, int KIND>
 void scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
-                 int64_t s_stride, const int* gsel) {
+                 int64_t s_stride, const int* gsel, TokenParams tp) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* qr = q + r0 * DT;
     float* sr = s + r0 * s_stride;
     switch (rb) {
-      case 1: fast_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
-      case 2: fast_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
-      case 3: fast_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
-      default: fast_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, gsel); break;
+      case 1: fast_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      case 2: fast_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      case 3: fast_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      default: fast_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
     }
   }
 }
 
 template <int DT>
 bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
-                     int64_t s_stride, const int* gsel) {
+                     int64_t s_stride, const int* gsel, TokenParams tp) {
   const int bits = fast_bits<DT>(sd, true);
   const bool ch = sd.f.kind == INT_CHANNEL;
+  if (bits && bits != 32 && !ch) token_params(sd, b, h, t0, n, DT / sd.f.group, tp.A, tp.C);
   switch (bits) {
-    case 32: scores_rows<DT, 32, FP>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
-    case 2: ch ? scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
-               : scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
-    case 4: ch ? scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
-               : scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
-    case 8: ch ? scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel)
-               : scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel); return true;
+    case 32: scores_rows<DT, 32, FP>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 2: ch ? scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 4: ch ? scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 8: ch ? scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
     default: return false;
   }
 }
 
 template <int DT, int BITS>
 void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
-                 int64_t R, float* acc, int64_t acc_stride, const int* gsel) {
+                 int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* pr = p + r0 * p_stride;
     float* ar = acc + r0 * acc_stride;
     switch (rb) {
-      case 1: fast_values<DT, BITS, 1>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
-      case 2: fast_values<DT, BITS, 2>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
-      case 3: fast_values<DT, BITS, 3>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
-      default: fast_values<DT, BITS, 4>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel); break;
+      case 1: fast_values<DT, BITS, 1>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 2: fast_values<DT, BITS, 2>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 3: fast_values<DT, BITS, 3>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      default: fast_values<DT, BITS, 4>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
     }
   }
 }
 
 template <int DT>
 bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
-                     int64_t R, float* acc, int64_t acc_stride, const int* gsel) {
-  switch (fast_bits<DT>(sd, false)) {
-    case 32: values_rows<DT, 32>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
-    case 2: values_rows<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
-    case 4: values_rows<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
-    case 8: values_rows<DT, 8>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel); return true;
+                     int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
+  const int bits = fast_bits<DT>(sd, false);
+  if (bits && bits != 32) token_params(sd, b, h, t0, n, DT / sd.f.group, tp.A, tp.C);
+  switch (bits) {
+    case 32: values_rows<DT, 32>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 2: values_rows<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 4: values_rows<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 8: values_rows<DT, 8>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
     default: return false;
   }
 }
@@ -592,9 +690,10 @@ struct Ctx {
 };
 
 struct Scratch {
-  std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp;
+  std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp, pa, pc;
   Scratch(int D, int64_t R, int64_t chunk)
-      : kbuf(TILE * D), vbuf(TILE * D), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D) {}
+      : kbuf(TILE * D), vbuf(TILE * D), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D),
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16) {}
 };
 
 // One (batch, kv head, chunk) work item: partial max, sum and weighted values of every query row.
@@ -611,13 +710,14 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   float* pw = cx.part + w * R * W;
   float* qs = sc.qs.data();
   float* s = sc.s.data();
+  const TokenParams tp{sc.pa.data(), sc.pc.data()};
   // queries of this kv head, pre-scaled, in the keys' field-major order
   for (int64_t r = 0; r < R; ++r) {
     const float* src = cx.qp + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
     for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
   }
   // scores
-  const bool fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data());
+  const bool fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (fast_k) {
   } else if (sg.k.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
@@ -685,8 +785,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
       for (int t = 0; t < n; ++t)
         if (sg.pos + it.t0 + t > qpos) sr[t] = NEG_INF;
     }
-    float m = NEG_INF;
-    for (int t = 0; t < n; ++t) m = std::max(m, sr[t]);
+    const float m = max_of(sr, n);
     const float safe = std::isinf(m) && m < 0 ? 0.f : m;
     const float l = exp_sum(sr, n, safe);
     float* pr = pw + r * W;
@@ -695,7 +794,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     std::fill(pr + 2, pr + W, 0.f);
   }
   // weighted values
-  const bool fast_v = DT > 0 && try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data());
+  const bool fast_v = DT > 0 && try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp);
   for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
     const int nt = std::min(TILE, n - t0);
     int64_t vs;
