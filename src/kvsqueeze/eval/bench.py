@@ -57,8 +57,10 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
                          lengths=[1024], depths=[0.0, 0.5, 1.0], trials=1, speed_contexts=[512, 2048],
                          speed_decode_tokens=8)
     else:
-        plan = BenchPlan(False, [*FULL_PRESETS, *FULL_PEERS], ppl_context=2048, ppl_chunks=8, ppl_decode_tokens=256,
-                         lengths=[1024, 2048, 4096, 8192], depths=[0.0, 0.25, 0.5, 0.75, 1.0], trials=1,
+        # about an hour on 2 idle cores with the embedded model (17 caches); --ppl-chunks, --lengths, --depths
+        # make it larger (8k retrieval alone would add ~20 minutes)
+        plan = BenchPlan(False, [*FULL_PRESETS, *FULL_PEERS], ppl_context=2048, ppl_chunks=4, ppl_decode_tokens=128,
+                         lengths=[1024, 2048, 4096], depths=[0.0, 0.5, 1.0], trials=1,
                          speed_contexts=[1024, 8192], speed_decode_tokens=16)
     for key, value in overrides.items():
         if value is not None:
