@@ -1,13 +1,15 @@
 """Calibrated methods on the embedded model: the BENCHMARKS.md table, printed as markdown.
 
-    KVSQUEEZE_DATA=../shared/data python benchmarks/calibrated_table.py --chunks 4 --json bench/calibrated.json
+    KVSQUEEZE_DATA=../shared/data python benchmarks/calibrated_table.py --chunks 2 --retrieval-trials 1 \
+        --artifacts bench/calibrated_full --json bench/calibrated_full.json
 
 WikiText-2 test, chunks of ``--context`` tokens from the start (the last 10% is never evaluated); calibration
 on ``--calib-samples`` x ``--calib-length`` tokens of that last 10% (disjoint).  Protocols: "window" (128-token
 full-precision window, 4 sinks, as the real cache) and "all-quantized" (every token quantized, no window/sinks).
 Bits per element are of the quantized part with every scale, zero, outlier and static range counted, measured
 on the real cache after a prefill of one chunk.  Rows: RTN per-token, KIVI, SKVQ with each component added in
-turn (as the paper's ablation), SKVQ / KVQuant-style / hybrid at 4, 3, 2 and 2/1.5 bits; then passkey retrieval
+turn (as the paper's ablation), SKVQ / KVQuant-style / hybrid at 4, 3, 2 and 2/1.5 bits, the best learned-transform
+2-bit settings; then passkey retrieval
 at ``--retrieval-length`` for the 2-bit methods.  Artifacts are written under ``--artifacts`` (reused if present).
 """
 
@@ -63,9 +65,17 @@ def rows(quick: bool) -> list[tuple[str, str, Any]]:
                 cs(method="kvquant", key_bits=2, value_bits=2, value_group=64, param_dtype="fp16", nuq=True)))
     hyb = [("hybrid: KVQuant-style keys + SKVQ values", "K2/V2", cs(method="hybrid", value_bits=2)),
            ("hybrid: KVQuant-style keys + SKVQ values", "K2/V1.5", cs(method="hybrid"))]
+    # The best 2-bit settings of the transforms table (docs/transforms.md), so both families sit in one table.
+    from kvsqueeze.calibrate.invertible import GROUPING_DEFAULTS
+
+    learned = [(f"learned-online transform + {name}", "K2/V2",
+                CalibrationSettings(method="invertible", transform="learned-online", grouping=g, key_bits=2,
+                                    value_bits=2, steps=100, window=W, sinks=S, **GROUPING_DEFAULTS[g]))
+               for g, name in (("skvq", "SKVQ grouping (g32 fp8, reorder + clip)"),
+                               ("kivi", "KIVI grouping (g32 fp16)"))]
     if quick:
         return base + rtn[2:] + kivi[2:] + ablation[-1:] + hyb + kvq[2:3]
-    return base + rtn + kivi + ablation + skvq + kvq + hyb
+    return base + rtn + kivi + ablation + skvq + kvq + hyb + learned
 
 
 def transform_rows(quick: bool, steps: int) -> list[tuple[str, str, Any]]:
