@@ -3,7 +3,7 @@
     python benchmarks/publish_bench.py bench/20261121-172644
 
 The report is copied as written by the bench (its command, date, machine, threads and protocols are in its
-header); only its headings are moved one level down (it becomes a section) and its image links are rewritten to
+header); only its headings are moved two levels down (it sits under a "## 7." heading kept outside the markers) and its image links are rewritten to
 point at copies of the plots under benchmarks/figures/.  The rest of BENCHMARKS.md is left as it is; without the
 markers the section is appended with them.  Nothing is measured or edited by hand here: every number comes from
 the bench run.
@@ -29,7 +29,7 @@ def section(folder: Path, out: Path, figures: Path) -> str:
         shutil.copy2(png, figures / png.name)
     rel = figures.relative_to(out.parent) if figures.is_relative_to(out.parent) else figures
     text = re.sub(r"\]\(([\w.-]+\.png)\)", lambda m: f"]({rel.as_posix()}/{m[1]})", report.read_text())
-    return re.sub(r"^(#+) ", lambda m: f"{m[1]}# ", text, flags=re.MULTILINE).strip()
+    return re.sub(r"^(#+) ", lambda m: f"{m[1]}## ", text, flags=re.MULTILINE).strip()
 
 
 def publish(folder: Path, out: Path, figures: Path) -> Path:
