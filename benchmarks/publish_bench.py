@@ -3,8 +3,8 @@
     python benchmarks/publish_bench.py bench/20261121-172644
 
 The report is copied as written by the bench (its command, date, machine, threads and protocols are in its
-header); only its headings are moved two levels down (it sits under a "## 7." heading kept outside the markers) and its image links are rewritten to
-point at copies of the plots under benchmarks/figures/.  The rest of BENCHMARKS.md is left as it is; without the
+header); only its headings are moved two levels down (it sits under a "## 7." heading kept outside the
+markers) and its image links are rewritten to point at copies of the plots under benchmarks/figures/.  The rest of BENCHMARKS.md is left as it is; without the
 markers the section is appended with them.  Nothing is measured or edited by hand here: every number comes from
 the bench run.
 """
