@@ -161,20 +161,6 @@ Perm field_perm(const Fmt& f, int D) {
   return p;
 }
 
-// (scale, offset) such that value = code * scale + offset, for every integer layout
-inline void affine(const Fmt& f, float s, float z, float& a, float& c) {
-  if (!f.sym) {
-    a = s;
-    c = z;
-  } else if (f.bits == 1) {
-    a = 2.f * s;
-    c = -s;
-  } else {
-    a = s;
-    c = -static_cast<float>(1 << (f.bits - 1)) * s;
-  }
-}
-
 // n parameters of one stored row as float, the dtype switch hoisted out of the loop
 inline void load_row(at::ScalarType dt, const char* p, int n, float* __restrict out) {
   switch (dt) {
@@ -203,7 +189,8 @@ inline void load_row(at::ScalarType dt, const char* p, int n, float* __restrict 
   }
 }
 
-// (a, c) of n parameter pairs of one row: the affine() of every (scale, zero), vectorisable
+// (a, c) of n parameter pairs of one row, such that value = code * a + c for every integer layout (asymmetric:
+// scale and zero; symmetric: codes centred on 2^(bits-1), or {-s, +s} at 1 bit); vectorisable
 inline void affine_row(const Side& sd, const char* sr, const char* zr, int n, float* __restrict a,
                        float* __restrict c) {
   const Fmt& f = sd.f;
@@ -229,6 +216,17 @@ inline void token_params(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
   for (int t = 0; t < n; ++t)
     affine_row(sd, sd.scale.row(b, h, t0 + t), sd.f.sym ? nullptr : sd.zero.row(b, h, t0 + t), NG, A + t * NG,
                C + t * NG);
+}
+
+// Per-channel layouts: (a, c) of token-group row ``grow``, gathered into the field-major order ``chan``.
+inline void channel_params(const Side& sd, int64_t b, int64_t h, int64_t grow, const int* chan, int D, float* a,
+                           float* c) {
+  float an[512], cn[512];  // D <= 512 is checked at entry
+  affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), D, an, cn);
+  for (int i = 0; i < D; ++i) {
+    a[i] = an[chan[i]];
+    c[i] = cn[chan[i]];
+  }
 }
 
 // Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled
@@ -321,9 +319,7 @@ const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
     const int* gi = pm.group.data();
     const int run = G % per == 0 ? G / per : 0;  // positions k*U + [g*run, (g+1)*run) share group g
     for (int t = 0; t < n; ++t) {
-      const char* sr = sd.scale.row(b, h, t0 + t);
-      const char* zr = f.sym ? nullptr : sd.zero.row(b, h, t0 + t);
-      for (int g = 0; g < NG; ++g) affine(f, ld(sd.scale.dt, sr, g), zr ? ld(sd.zero.dt, zr, g) : 0.f, ag[g], cg[g]);
+      affine_row(sd, sd.scale.row(b, h, t0 + t), f.sym ? nullptr : sd.zero.row(b, h, t0 + t), NG, ag, cg);
       float* o = out + t * D;
       switch (run) {
         case 4: dequant_runs<4>(o, ag, cg, per, NG, U); break;
@@ -342,10 +338,7 @@ const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
       const int64_t grow = (t0 + t) / G;
       if (grow != cur) {
         cur = grow;
-        const char* sr = sd.scale.row(b, h, grow);
-        const char* zr = f.sym ? nullptr : sd.zero.row(b, h, grow);
-        for (int i = 0; i < D; ++i)
-          affine(f, ld(sd.scale.dt, sr, pm.chan[i]), zr ? ld(sd.zero.dt, zr, pm.chan[i]) : 0.f, a[i], c[i]);
+        channel_params(sd, b, h, grow, pm.chan.data(), D, a, c);
       }
       float* o = out + t * D;
 #pragma omp simd
@@ -485,6 +478,9 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
   vf qa[RB][L::NV];
   vf buf[RB][16];
   const int NG = KIND == INT_TOKEN ? DT / sd.f.group : 0;
+  int chan[DT];  // field-major order (see field_perm): position k*U + u holds channel u*per + k
+  for (int k = 0; k < L::per; ++k)
+    for (int u = 0; u < L::U; ++u) chan[k * L::U + u] = u * L::per + k;
   int64_t cur = -1;
   for (int t = 0; t < n; ++t) {
     vf acc[RB];
@@ -501,13 +497,8 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
       const int64_t grow = (t0 + t) / sd.f.group;
       if (grow != cur) {  // fold this token group's (scale, zero) into the query
         cur = grow;
-        float an[DT], cn[DT], a[DT], c[DT];
-        affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
-        for (int k = 0; k < L::per; ++k)
-          for (int u = 0; u < L::U; ++u) {
-            a[k * L::U + u] = an[u * L::per + k];
-            c[k * L::U + u] = cn[u * L::per + k];
-          }
+        float a[DT], c[DT];
+        channel_params(sd, b, h, grow, chan, DT, a, c);
         for (int r = 0; r < RB; ++r) {
           vf z = vf{};
           for (int i = 0; i < L::NV; ++i) {
@@ -733,10 +724,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
         const int64_t grow = (it.t0 + t0 + t) / f.group;
         if (grow != cur) {
           cur = grow;
-          const char* sr = sg.k.scale.row(b, h, grow);
-          const char* zr = f.sym ? nullptr : sg.k.zero.row(b, h, grow);
-          for (int i = 0; i < D; ++i)
-            affine(f, ld(sg.k.scale.dt, sr, kpm.chan[i]), zr ? ld(sg.k.zero.dt, zr, kpm.chan[i]) : 0.f, a[i], c[i]);
+          channel_params(sg.k, b, h, grow, kpm.chan.data(), D, a, c);
           for (int64_t r = 0; r < R; ++r) {
             float cs = 0.f;
 #pragma omp simd reduction(+ : cs)
