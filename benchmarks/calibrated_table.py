@@ -66,11 +66,7 @@ def rows(quick: bool) -> list[tuple[str, str, Any]]:
     hyb = [("hybrid: KVQuant-style keys + SKVQ values", "K2/V2", cs(method="hybrid", value_bits=2)),
            ("hybrid: KVQuant-style keys + SKVQ values", "K2/V1.5", cs(method="hybrid"))]
     # The best 2-bit settings of the transforms table (docs/transforms.md), so both families sit in one table.
-    from kvsqueeze.calibrate.invertible import GROUPING_DEFAULTS
-
-    learned = [(f"learned-online transform + {name}", "K2/V2",
-                CalibrationSettings(method="invertible", transform="learned-online", grouping=g, key_bits=2,
-                                    value_bits=2, steps=100, window=W, sinks=S, **GROUPING_DEFAULTS[g]))
+    learned = [(f"learned-online transform + {name}", "K2/V2", invertible_settings(g, 2, "learned-online", 100))
                for g, name in (("skvq", "SKVQ grouping (g32 fp8, reorder + clip)"),
                                ("kivi", "KIVI grouping (g32 fp16)"))]
     if quick:
@@ -78,14 +74,18 @@ def rows(quick: bool) -> list[tuple[str, str, Any]]:
     return base + rtn + kivi + ablation + skvq + kvq + hyb + learned
 
 
+def invertible_settings(grouping: str, bits: int, transform: str, steps: int) -> CalibrationSettings:
+    """An invertible-transform calibration with the grouping's default groups and parameter dtype."""
+    from kvsqueeze.calibrate.invertible import GROUPING_DEFAULTS
+
+    return CalibrationSettings(method="invertible", transform=transform, grouping=grouping, key_bits=bits,
+                               value_bits=bits, steps=steps, window=W, sinks=S, **GROUPING_DEFAULTS[grouping])
+
+
 def transform_rows(quick: bool, steps: int) -> list[tuple[str, str, Any]]:
     """The invertible-transform table: every transform with per-token and KIVI grouping at 4/3/2 bits, and with
     SKVQ grouping at 2 bits (issue: learned transforms vs Hadamard / SmoothAttention baselines)."""
-    from kvsqueeze.calibrate.invertible import GROUPING_DEFAULTS, TRANSFORMS
-
-    def inv(grouping: str, bits: int, transform: str) -> CalibrationSettings:
-        return CalibrationSettings(method="invertible", transform=transform, grouping=grouping, key_bits=bits,
-                                   value_bits=bits, steps=steps, window=W, sinks=S, **GROUPING_DEFAULTS[grouping])
+    from kvsqueeze.calibrate.invertible import TRANSFORMS
 
     names = {"token": "per-token g64 fp16", "kivi": "KIVI (K per-channel g32, V per-token g32, fp16)",
              "skvq": "SKVQ grouping (g32 fp8, reorder + clip)"}
@@ -94,7 +94,7 @@ def transform_rows(quick: bool, steps: int) -> list[tuple[str, str, Any]]:
     if quick:
         plan = [("token", 4), ("token", 2)]
     for grouping, b in plan:
-        out += [(f"{names[grouping]}, {b}-bit", t, inv(grouping, b, t)) for t in TRANSFORMS]
+        out += [(f"{names[grouping]}, {b}-bit", t, invertible_settings(grouping, b, t, steps)) for t in TRANSFORMS]
     return out
 
 
