@@ -91,7 +91,7 @@ def tiny_prints(workdir: Path) -> dict[str, str]:
         "skvq": CalibrationSettings(method="skvq", window=16, sinks=2),
         "hybrid-nuq": CalibrationSettings(method="hybrid", nuq=True, window=16, sinks=2, clip="group"),
         "kvquant": CalibrationSettings(method="kvquant", window=16, sinks=2),
-        "invertible-folded": CalibrationSettings(method="invertible", key_bits=2, value_bits=2, window=16, sinks=2,
+        "invertible-folded": CalibrationSettings(method="invertible", key_bits=2, value_bits=2, window=32, sinks=2,
                                                  steps=5, grouping="kivi", key_group=32, value_group=32),
         "invertible-online": CalibrationSettings(method="invertible", key_bits=2, value_bits=1.5, window=16,
                                                  sinks=2, steps=5, transform="learned-online", grouping="skvq"),
