@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvsqueeze import corpus as corpus_mod
+from kvsqueeze.artifact import Artifact
 from kvsqueeze.calibrate import (
     CalibrationSettings,
     calibrate_activations,
@@ -31,8 +33,6 @@ from kvsqueeze.calibrate import (
     corpus_samples,
     load_artifact,
 )
-from kvsqueeze.calibrate.artifact import Artifact
-from kvsqueeze.eval import corpus as corpus_mod
 from kvsqueeze.eval.ppl import measure_footprint
 from kvsqueeze.eval.protocols import nll_all_quantized, nll_window
 from kvsqueeze.spec import CacheSpec, preset

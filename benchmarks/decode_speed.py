@@ -30,7 +30,7 @@ def make_cache(name: str, model, backend: str):
     from transformers import DynamicCache
     from transformers import QuantizedCache as HFQuantizedCache
 
-    from kvsqueeze.cache.hf_adapter import QuantizedCache
+    from kvsqueeze.adapter import QuantizedCache
 
     if name == "hf-dynamic":
         model.config._attn_implementation = "sdpa"

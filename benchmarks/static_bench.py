@@ -92,7 +92,7 @@ def job_hf(prompt_ids: list[int], n: int, threads: int, spec: str | None) -> dic
                   temperature=None, pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_logits=True,
                   logits_processor=LogitsProcessorList([stamp]))
         if spec:
-            from kvsqueeze.cache.hf_adapter import QuantizedCache
+            from kvsqueeze.adapter import QuantizedCache
 
             kw["past_key_values"] = QuantizedCache(model.config, spec)
         t0 = time.perf_counter()
@@ -224,7 +224,7 @@ def main() -> int:
     print("| storage | manager | slots per buffer | KV buffers bytes | copies | expected | bytes moved | "
           "copy time ms | decode tokens/s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    from kvsqueeze.cache.static import expected_copies
+    from kvsqueeze.engines.static_manager import expected_copies
 
     for kv in ("float", "int8-static"):
         for label, kw in (("reserve 2(S-1)", {"reserve": 2.0}), ("reserve 1.5(S-1)", {"reserve": 1.5}),
@@ -237,7 +237,7 @@ def main() -> int:
     print(f"\n(copies counted over {a.long_tokens - 1} decode steps; staging bytes: 0 in every run, the token-major "
           f"window is bound to ONNX Runtime in place)\n")
 
-    from kvsqueeze.cache.static import static_buffer_bytes
+    from kvsqueeze.engines.static_manager import static_buffer_bytes
 
     print("### Shared-buffer formula: 2 x layers x KV heads x reserve(S-1) x D x bits/8\n")
     print("| model | S | reserve | bits | bytes |\n|---|---|---|---|---|")

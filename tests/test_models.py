@@ -13,12 +13,12 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from conftest import HAS_EMBEDDED, requires_embedded
+from kvsqueeze.layout import model_kv_layout
 from kvsqueeze.models import (
     default_threads,
     embedded_gguf_path,
     gguf_cache_entry,
     load_model,
-    model_kv_layout,
     set_threads,
 )
 

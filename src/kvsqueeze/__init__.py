@@ -11,13 +11,12 @@ Heavy modules (torch, transformers) are imported on first use of the names that 
 
 from __future__ import annotations
 
+from ._version import __version__
 from .spec import PRESETS, CacheSpec, QuantSpec, preset
 
-__version__ = "0.1.0"
-
 _LAZY = {
-    "QuantizedCache": ("kvsqueeze.cache.hf_adapter", "QuantizedCache"),
-    "KVBytes": ("kvsqueeze.cache.hf_adapter", "KVBytes"),
+    "QuantizedCache": ("kvsqueeze.adapter", "QuantizedCache"),
+    "KVBytes": ("kvsqueeze.adapter", "KVBytes"),
     "load_model": ("kvsqueeze.models", "load_model"),
 }
 

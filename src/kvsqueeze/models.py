@@ -215,42 +215,6 @@ def _gguf_to_cache(gguf_path: Path, cache_dir: str | Path | None, progress: bool
     return entry
 
 
-def model_kv_layout(config: Any) -> dict[str, Any]:
-    """The KV-cache-relevant shape of a model config.
-
-    Returns num_layers, num_heads, num_kv_heads, head_dim, layer_types (one of
-    "full_attention" / "sliding_attention" per layer, or whatever other type the config
-    names), sliding_window (None when no layer slides), rope (the rope parameters dict or
-    None) and max_position_embeddings.
-    """
-    text = config.get_text_config(decoder=True)
-    num_layers = int(text.num_hidden_layers)
-    num_heads = int(text.num_attention_heads)
-    num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
-    window = getattr(text, "sliding_window", None)
-    layer_types = getattr(text, "layer_types", None)
-    if layer_types is not None:
-        layer_types = list(layer_types)
-    elif window is not None and getattr(text, "use_sliding_window", True) is not False:
-        layer_types = ["sliding_attention"] * num_layers
-    else:
-        layer_types = ["full_attention"] * num_layers
-    if len(layer_types) != num_layers:
-        raise ValueError(f"config.layer_types has {len(layer_types)} entries for {num_layers} layers")
-    rope = getattr(text, "rope_parameters", None)
-    return {
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": int(head_dim),
-        "layer_types": layer_types,
-        "sliding_window": window if "sliding_attention" in layer_types else None,
-        "rope": dict(rope) if rope is not None else None,
-        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
-    }
-
-
 def default_threads() -> int:
     """Threads to use: ``$KVSQUEEZE_THREADS`` if set, else torch's own default."""
     value = os.environ.get("KVSQUEEZE_THREADS")

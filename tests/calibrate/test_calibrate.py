@@ -10,25 +10,22 @@ import time
 import pytest
 import torch
 
+from kvsqueeze.adapter import QuantizedCache
 from kvsqueeze.cache.codecs_calibrated import (
-    GroupExtras,
     PermutedGroupCodec,
-    PreRopeExtras,
     PreRopeKeyCodec,
-    apply_rope,
     decode_outliers,
     encode_outliers,
     pack_ternary,
-    rope_cos_sin,
     ternary_nbytes,
-    undo_rope,
     unpack_ternary,
 )
-from kvsqueeze.cache.hf_adapter import QuantizedCache
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, fold_value_permutation, load_artifact
 from kvsqueeze.calibrate.clip import attention_out, head_error, search_clip
 from kvsqueeze.calibrate.collect import CalibrationData, corpus_samples, rope_tables
 from kvsqueeze.eval.protocols import nll_decode, nll_reference, nll_window
+from kvsqueeze.quant.extras import GroupExtras, PreRopeExtras
+from kvsqueeze.rope import apply_rope, rope_cos_sin, undo_rope
 from kvsqueeze.spec import QuantSpec
 
 
@@ -249,7 +246,7 @@ def test_artifact_bad_input(tiny_llama, tiny_mixed_sliding, skvq_artifact, tmp_p
 
 
 def test_calibration_slice_is_disjoint_from_evaluation(tiny_tokenizer, tmp_path):
-    from kvsqueeze.eval.corpus import MAX_EVAL_FRACTION, eval_chunks, load_text_file, tokenize
+    from kvsqueeze.corpus import MAX_EVAL_FRACTION, eval_chunks, load_text_file, tokenize
 
     f = tmp_path / "c.txt"
     f.write_text(" ".join(f"w{2 + i % 250}" for i in range(3000)))

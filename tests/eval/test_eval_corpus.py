@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from kvsqueeze.eval import corpus as C
+from kvsqueeze import corpus as C
 
 WIKITEXT_SHA256 = "4f3e427e4aff23acff917a8a51aeae21bf12832256e26914c8fc250dcef4103c"  # from the data README
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsqueeze import QuantizedCache
-from kvsqueeze.eval import corpus as C
+from kvsqueeze import corpus as C
 from kvsqueeze.eval import protocols as P
 from kvsqueeze.eval.ppl import run_ppl
 

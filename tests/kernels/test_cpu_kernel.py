@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.cache.hf_adapter import QuantizedCache
+from kvsqueeze.adapter import QuantizedCache
 from kvsqueeze.kernels import cpu
 from kvsqueeze.kernels.dispatch import reference_attend_layer, resolve
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.cache.static import (
+from kvsqueeze.engines.static_manager import (
     StaticKVManager,
     WindowFullError,
     expected_copies,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvsqueeze.cache.static import StaticKVManager, expected_copies
 from kvsqueeze.engines.onnx_export import export_static_graphs, model_fingerprint
 from kvsqueeze.engines.onnx_runner import OrtStaticEngine
 from kvsqueeze.engines.static_generation import first_divergence, greedy_generate, left_pad
+from kvsqueeze.engines.static_manager import StaticKVManager, expected_copies
 from kvsqueeze.engines.static_step import StaticStep
 from kvsqueeze.engines.torch_static import TorchStaticEngine
 
@@ -127,7 +127,7 @@ def test_int8_static_matches_torch_engine_and_reports_divergence(static_llama, i
 
 def test_int8_static_vs_kvsqueeze_int8_cache(llama_factory, int8_quant, int8_graphs):
     """Same tokens as kvsqueeze's own (dynamic, per-token) int8 cache, or a first divergence at a near tie."""
-    hf_adapter = pytest.importorskip("kvsqueeze.cache.hf_adapter")
+    hf_adapter = pytest.importorskip("kvsqueeze.adapter")
     model = llama_factory()  # a fresh copy: the kvsqueeze cache switches the model's attention function
     eq = OrtStaticEngine(int8_graphs, fingerprint=model_fingerprint(model))
     for prompt in (PROMPT, [200, 3, 77, 45, 12, 9, 100]):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvsqueeze.cache.static import StaticKVQuant
+from kvsqueeze.engines.static_manager import StaticKVQuant
 from kvsqueeze.engines.static_step import StaticStep
 
 CONFIGS = [(8, False, "channel"), (8, True, "channel"), (8, False, "tensor"), (4, False, "channel"),

@@ -9,13 +9,14 @@ import json
 import pytest
 import torch
 
+from kvsqueeze.adapter import QuantizedCache
 from kvsqueeze.cache.codecs import make_codec
-from kvsqueeze.cache.codecs_transform import TransformedCodec, TransformExtras
-from kvsqueeze.cache.hf_adapter import QuantizedCache
+from kvsqueeze.cache.codecs_transform import TransformedCodec
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, load_artifact
 from kvsqueeze.calibrate.collect import CalibrationData, rope_tables
 from kvsqueeze.calibrate.fold import fold_transforms
 from kvsqueeze.calibrate.invertible import fake_quant_ste, grouping_quants
+from kvsqueeze.quant.extras import TransformExtras
 from kvsqueeze.spec import QuantSpec
 from kvsqueeze.transforms.matrices import GeneralTransform, hadamard, rope_commuting, rope_commuting_inverse
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.cache.codecs_calibrated import apply_rope, rope_cos_sin
 from kvsqueeze.calibrate.fold import rope_commutes
+from kvsqueeze.rope import apply_rope, rope_cos_sin
 from kvsqueeze.transforms.matrices import (
     GeneralTransform,
     RopeCommutingTransform,

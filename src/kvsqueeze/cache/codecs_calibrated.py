@@ -16,12 +16,12 @@ append-only block store, which knows no positions, can stay unchanged.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..quant import pack_bits, packed_nbytes, param_torch_dtype, unpack_bits
-from ..quant.params import scale_floor, to_param
+from ..quant.affine import affine_codes, minmax_params
+from ..quant.extras import GroupExtras, PreRopeExtras
+from ..rope import apply_rope, rope_cos_sin, undo_rope
 from ..spec import QuantSpec
 from .codecs import Codec, PartLayout
 
@@ -59,47 +59,9 @@ def quantize_clipped(xg: torch.Tensor, levels: int, clip: torch.Tensor | float, 
     """Asymmetric min/max quantization of groups (last dim) to ``levels`` levels with a clip ratio that may
     differ per group (a tensor broadcasting to ``xg.shape[:-1] + (1,)``): the range is [clip*min, clip*max],
     as :func:`kvsqueeze.quant.quantize_groups` does for one scalar ratio.  Returns (codes, scale, zero)."""
-    xf = xg.float()
-    mn = xf.amin(-1, keepdim=True) * clip
-    mx = xf.amax(-1, keepdim=True) * clip
-    zero = to_param(mn, param_dtype, "down")
-    scale = to_param(((mx - zero.float()) / (levels - 1)).clamp_min(scale_floor(param_dtype)), param_dtype, "up")
-    q = torch.round((xf - zero.float()) / scale.float()).clamp_(0, levels - 1)
+    scale, zero = minmax_params(xg.float(), levels, clip, param_dtype)
+    q = affine_codes(xg, scale, zero, 0, levels - 1, "float")
     return q.to(torch.uint8), scale, zero
-
-
-class GroupExtras:
-    """Calibrated tensors of one layer for :class:`PermutedGroupCodec`.
-
-    perm: [H, D] long or None - stored channel j of KV head h is input channel ``perm[h, j]``.
-    clip: [H, D // group] float or None - clip ratio of each group of the stored (permuted) channels.
-    """
-
-    def __init__(self, perm: torch.Tensor | None = None, clip: torch.Tensor | None = None):
-        self.perm = None if perm is None else perm.long()
-        self.inv = None if perm is None else torch.argsort(self.perm, dim=-1)
-        self.clip = None if clip is None else clip.float()
-
-    def label(self, spec: QuantSpec) -> str:
-        bits = "tern" if spec.fmt == "ternary" else f"int{spec.bits}"
-        parts = [f"{bits}/token{spec.group or 'all'}"]
-        if self.perm is not None:
-            parts.append("reorder")
-        if self.clip is not None:
-            parts.append(f"clip{float(self.clip.min()):.2f}-{float(self.clip.max()):.2f}")
-        return "/".join(parts + [spec.param_dtype])
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "skvq-group", "reorder": self.perm is not None,
-                "clip": None if self.clip is None else [float(self.clip.min()), float(self.clip.max())]}
-
-    def check(self, heads: int, head_dim: int, n_groups: int) -> None:
-        if self.perm is not None and tuple(self.perm.shape) != (heads, head_dim):
-            raise ValueError(f"channel permutation has shape {tuple(self.perm.shape)}, the model needs "
-                             f"({heads}, {head_dim}) (kv heads, head_dim)")
-        if self.clip is not None and tuple(self.clip.shape) != (heads, n_groups):
-            raise ValueError(f"clip ratios have shape {tuple(self.clip.shape)}, the model needs "
-                             f"({heads}, {n_groups}) (kv heads, groups per head)")
 
 
 class PermutedGroupCodec(Codec):
@@ -153,70 +115,6 @@ class PermutedGroupCodec(Codec):
         return x
 
 
-# ------------------------------------------------------------------------------------------------ RoPE
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The half-split RoPE convention of Llama-family models in transformers: (x1, x2) -> (-x2, x1)."""
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, ...]:
-    """cos, sin [T, D] as transformers computes them (float32 products of positions and inverse frequencies)."""
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos() * scaling, emb.sin() * scaling
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
-
-
-def undo_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Inverse of :func:`apply_rope` (the rotation is orthogonal up to the attention scaling factor)."""
-    return (x * cos - rotate_half(x) * sin) / (scaling * scaling)
-
-
-class PreRopeExtras:
-    """Calibrated tensors of one layer for :class:`PreRopeKeyCodec`.
-
-    lo, hi:    [H, D] static per-channel range of pre-RoPE keys (values outside are clamped or outliers).
-    inv_freq:  [D/2] RoPE inverse frequencies; ``rope_scaling`` the attention scaling of the cos/sin tables.
-    codebook:  [2**bits] sorted levels in [0, 1] (non-uniform, per layer) or None for a uniform grid.
-    outliers:  channels per token and head kept exactly (fp16 value + uint8 index) in the sparse structure.
-    bits:      code bits, or None: no quantization (pre-RoPE values stored in float32 - a test mode that must
-               reproduce the plain cache).
-    """
-
-    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float = 1.0,
-                 codebook: torch.Tensor | None = None, outliers: int = 1, bits: int | None = 2,
-                 param_dtype: str = "fp16"):
-        pt = param_torch_dtype(param_dtype)
-        self.lo, self.hi = lo.to(pt), hi.to(pt)
-        self.inv_freq, self.rope_scaling = inv_freq.float(), float(rope_scaling)
-        self.codebook = None if codebook is None else codebook.float()
-        self.outliers, self.bits, self.param_dtype = int(outliers), bits, param_dtype
-        if bits is not None and codebook is not None and codebook.numel() != 2 ** bits:
-            raise ValueError(f"a {bits}-bit codebook has {2 ** bits} levels, got {codebook.numel()}")
-
-    def label(self, spec: QuantSpec) -> str:
-        if self.bits is None:
-            return "prerope-fp"
-        nuq = "nuq" if self.codebook is not None else "int"
-        return f"prerope-{nuq}{self.bits}/channel-static/outliers{self.outliers}"
-
-    def describe(self) -> dict[str, Any]:
-        return {"kind": "kvquant-prerope", "bits": self.bits, "outliers_per_token": self.outliers,
-                "non_uniform": self.codebook is not None}
-
-    def check(self, heads: int, head_dim: int) -> None:
-        if tuple(self.lo.shape) != (heads, head_dim) or tuple(self.hi.shape) != (heads, head_dim):
-            raise ValueError(f"pre-RoPE key ranges have shape {tuple(self.lo.shape)}, the model needs "
-                             f"({heads}, {head_dim}) (kv heads, head_dim)")
-        if self.inv_freq.numel() * 2 != head_dim:
-            raise ValueError(f"RoPE table has {self.inv_freq.numel()} frequencies, head_dim {head_dim} needs "
-                             f"{head_dim // 2}")
-        if not 0 <= self.outliers <= head_dim:
-            raise ValueError(f"outliers per token must be in [0, {head_dim}], got {self.outliers}")
 
 
 class PreRopeKeyCodec(Codec):
@@ -312,7 +210,8 @@ def decode_outliers(dense: torch.Tensor, oidx: torch.Tensor, oval: torch.Tensor)
 def make_calibrated_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
     import dataclasses
 
-    from .codecs_transform import TransformedCodec, TransformExtras
+    from ..quant.extras import TransformExtras
+    from .codecs_transform import TransformedCodec
 
     ex = spec.extras
     if isinstance(ex, TransformExtras):  # a transform around any codec (inner extras, or a plain spec)

@@ -10,58 +10,11 @@ what the folded model (``W_k -> W_k A``, ``W_q -> W_q A^-T``, ``W_v -> W_v A``, 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from ..quant.extras import TransformExtras
 from ..spec import QuantSpec
 from .codecs import Codec, PartLayout
-
-
-class TransformExtras:
-    """Per-layer transform tensors plus the inner codec's own extras (e.g. SKVQ's GroupExtras) or None.
-
-    matrix, inverse: [H, D, D] float32 with ``x' = x @ matrix[h]``.  ``kind`` says which family it came from
-    ("rope-commuting" can be folded before RoPE; "general" only after RoPE for keys, anywhere for values)."""
-
-    def __init__(self, matrix: torch.Tensor, inverse: torch.Tensor, kind: str = "general", inner: Any = None,
-                 name: str = "transform"):
-        self.matrix = matrix.float()
-        self.inverse = inverse.float()
-        self.kind = kind
-        self.inner = inner
-        self.name = name
-
-    def label(self, spec: QuantSpec) -> str:
-        import dataclasses
-
-        inner = dataclasses.replace(spec, extras=self.inner)
-        return f"{self.name}+{inner.label()}"
-
-    def describe(self) -> dict[str, Any]:
-        d = {"kind": "transform", "family": self.kind, "name": self.name}
-        if self.inner is not None and hasattr(self.inner, "describe"):
-            d["inner"] = self.inner.describe()
-        return d
-
-    def check(self, heads: int, head_dim: int, max_condition: float = 1e4) -> None:
-        from ..transforms.matrices import condition_number
-
-        want = (heads, head_dim, head_dim)
-        for what, t in (("matrix", self.matrix), ("inverse", self.inverse)):
-            if tuple(t.shape) != want:
-                raise ValueError(f"transform {what} has shape {tuple(t.shape)}, the model needs {want} "
-                                 "(kv heads, head_dim, head_dim)")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"transform {what} has non-finite entries")
-        eye = torch.eye(head_dim)
-        err = float((self.matrix.double() @ self.inverse.double() - eye).abs().max())
-        if err > 1e-3:
-            raise ValueError(f"transform and its stored inverse disagree: max |A A^-1 - I| = {err:.3g} "
-                             "(> 1e-3): the artifact is corrupt or the matrix is not invertible")
-        cond = float(condition_number(self.matrix).max())
-        if not cond < max_condition:
-            raise ValueError(f"transform is ill-conditioned: condition number {cond:.3g} (limit {max_condition:g})")
 
 
 class TransformedCodec(Codec):

@@ -8,8 +8,8 @@ pre-RoPE keys with sparse outliers, producing artifact directories that ``Quanti
     cache = kvsqueeze.QuantizedCache(model.config, str(path))
 """
 
+from ..artifact import Artifact, Side, is_artifact_dir, load_artifact
 from .api import METHODS, CalibrationSettings, calibrate, calibrate_activations
-from .artifact import Artifact, Side, is_artifact_dir, load_artifact
 from .collect import collect, corpus_samples, generated_samples
 from .fold import fold_value_permutation
 

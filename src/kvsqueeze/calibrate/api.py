@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..artifact import Artifact, Side
 from ..spec import QuantSpec
-from .artifact import Artifact, Side
 from .clip import CLIP_MODES
 from .collect import Activations, CalibrationData, collect
 from .invertible import (
@@ -128,7 +128,7 @@ def calibrate_activations(acts: Activations, settings: CalibrationSettings, prog
 def calibrate(model: Any, data: CalibrationData, settings: CalibrationSettings, model_name: str = "model",
               progress: bool = True) -> Artifact:
     """Collect activations on ``data`` and calibrate ``settings.method``; returns an unsaved artifact."""
-    from ..cache.hf_adapter import kv_layout
+    from ..layout import kv_layout
 
     layout = kv_layout(model.config)
     acts = collect(model, data.ids, progress=progress)

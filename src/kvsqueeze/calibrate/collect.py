@@ -1,7 +1,7 @@
 """Calibration data and activation collection.
 
 Calibration text never overlaps evaluation chunks: ``kvsqueeze ppl`` evaluates from the start of a corpus and
-refuses the last 10% of its tokens (:data:`kvsqueeze.eval.corpus.MAX_EVAL_FRACTION`), and calibration from a
+refuses the last 10% of its tokens (:data:`kvsqueeze.corpus.MAX_EVAL_FRACTION`), and calibration from a
 file or WikiText-2 uses exactly that tail by default.  ``--generated`` uses text the model samples itself.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..cache.codecs_calibrated import rope_cos_sin, undo_rope
+from ..rope import rope_cos_sin, undo_rope
 
 
 @dataclass
@@ -26,7 +26,7 @@ def corpus_samples(corpus: Any, tokenizer: Any, samples: int, length: int, start
     """``samples`` consecutive windows of ``length`` tokens from the corpus tail starting at ``start_fraction``
     (default: the evaluation limit, 0.9).  A start inside the evaluated part is a ValueError unless
     ``allow_overlap`` (then the provenance says so)."""
-    from ..eval.corpus import MAX_EVAL_FRACTION, tokenize
+    from ..corpus import MAX_EVAL_FRACTION, tokenize
 
     _check_sizes(samples, length)
     frac = MAX_EVAL_FRACTION if start_fraction is None else start_fraction
@@ -127,7 +127,8 @@ def collect(model: Any, ids: torch.Tensor, progress: bool = True) -> Activations
     from tqdm.auto import tqdm
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..cache.hf_adapter import attention_override, kv_layout
+    from ..adapter import attention_override
+    from ..layout import kv_layout
 
     layout = kv_layout(model.config)
     inv_freq, rope_scale = rope_tables(model)

@@ -40,10 +40,10 @@ def export_folded(artifact_path: str | Path, out_dir: str | Path, model_source: 
     """Fold ``artifact_path``'s transforms into the model and write ``out_dir`` atomically; returns a record."""
     from transformers import AutoModelForCausalLM
 
+    from ..artifact import check_overrides, load_artifact
     from ..atomic_dir import staged_directory
-    from ..cache.hf_adapter import kv_layout
+    from ..layout import kv_layout
     from ..models import load_model
-    from .artifact import check_overrides, load_artifact
     from .fold import fold_transforms
 
     out = Path(out_dir).expanduser()

@@ -49,7 +49,7 @@ def fold_value_permutation(model: Any, perms: list[torch.Tensor | None]) -> None
 def rope_commutes(matrix: torch.Tensor, inv_freq: torch.Tensor, positions: tuple[int, ...] = (1, 7, 100, 4099),
                   atol: float = 1e-5) -> bool:
     """Whether ``rope(x) @ A == rope(x @ A)`` for every x at the given positions (checked on the basis)."""
-    from ..cache.codecs_calibrated import apply_rope, rope_cos_sin
+    from ..rope import apply_rope, rope_cos_sin
 
     d = matrix.shape[-1]
     eye = torch.eye(d, dtype=torch.float64)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..artifact import Side
 from ..spec import QuantSpec
 from ..transforms.matrices import GeneralTransform, RopeCommutingTransform, condition_number, hadamard
-from .artifact import Side
 from .clip import attention_out, head_error, query_positions
 from .collect import Activations, LayerActivations
 

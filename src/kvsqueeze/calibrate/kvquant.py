@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache.codecs_calibrated import PreRopeExtras, PreRopeKeyCodec
+from ..artifact import Side
+from ..cache.codecs_calibrated import PreRopeKeyCodec
+from ..quant.extras import PreRopeExtras
 from ..spec import QuantSpec
-from .artifact import Side
 from .clip import attention_out, grid_search, head_error, query_positions
 from .collect import Activations, LayerActivations
 from .kmeans import kmeans_1d

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache.codecs_calibrated import GroupExtras, PermutedGroupCodec
+from ..artifact import Side
+from ..cache.codecs_calibrated import PermutedGroupCodec
+from ..quant.extras import GroupExtras
 from ..spec import QuantSpec
-from .artifact import Side
 from .clip import DEFAULT_CLIP_GRID, attention_out, head_error, query_positions, search_clip
 from .collect import Activations, LayerActivations
 from .kmeans import reorder_permutation

@@ -64,9 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
+    from kvsqueeze import corpus as corpus_mod
     from kvsqueeze.calibrate.api import CalibrationSettings, calibrate, method_defaults
     from kvsqueeze.calibrate.collect import corpus_samples, generated_samples
-    from kvsqueeze.eval import corpus as corpus_mod
     from kvsqueeze.eval import meta
 
     start = time.perf_counter()

@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvsqueeze.calibrate.artifact import is_artifact_dir
+    from kvsqueeze.artifact import is_artifact_dir
     from kvsqueeze.calibrate.export import ARTIFACT_SUBDIR, export_folded
 
     if not is_artifact_dir(args.kv):

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from kvsqueeze.cache.hf_adapter import QuantizedCache
+    from kvsqueeze.adapter import QuantizedCache
     from kvsqueeze.models import load_model
 
     if args.threads:

@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from kvsqueeze.eval import corpus as corpus_mod
+    from kvsqueeze import corpus as corpus_mod
     from kvsqueeze.eval import meta
     from kvsqueeze.eval.peers import Peer, check_kv
     from kvsqueeze.eval.ppl import check_protocol, default_prefix, run_ppl

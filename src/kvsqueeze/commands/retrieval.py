@@ -26,8 +26,8 @@ def run(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
+    from kvsqueeze.corpus import load_text_file
     from kvsqueeze.eval import meta, report
-    from kvsqueeze.eval.corpus import load_text_file
     from kvsqueeze.eval.peers import check_kv, describe
     from kvsqueeze.eval.retrieval import parse_depths, parse_lengths, run_retrieval
 

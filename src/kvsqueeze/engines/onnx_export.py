@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic_dir import staged_directory
-from ..cache.static import LAYOUTS, StaticKVQuant
+from .static_manager import LAYOUTS, StaticKVQuant
 
 if TYPE_CHECKING:  # torch is imported where it is used, so a runner importing this module stays torch-free
     import torch

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache.static import StaticKVManager, check_manager_matches, manager_for
 from .onnx_export import DECODE_FILE, FORMAT_VERSION, PREFILL_FILE, WEIGHTS_FILE, io_names
+from .static_manager import StaticKVManager, check_manager_matches, manager_for
 
 ORT_HINT = 'the ONNX Runtime path needs onnx and onnxruntime: pip install -e ".[onnx]"'
 

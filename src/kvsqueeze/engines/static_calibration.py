@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache.static import StaticKVQuant
+from .static_manager import StaticKVQuant
 from .static_step import StaticStep
 
 METHODS = ("absmax", "percentile")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..cache.static import StaticKVManager, WindowFullError
+from .static_manager import StaticKVManager, WindowFullError
 
 
 @dataclass

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.static import LAYOUTS, StaticKVQuant
+from ..rope import rotate_half
+from .static_manager import LAYOUTS, StaticKVQuant
 
 MODES = ("prefill", "decode")
 
@@ -120,7 +121,7 @@ class StaticStep(nn.Module):
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
             if self.mode == "prefill":
                 o = self._attend_prompt(q, k, v, bias)
             else:
@@ -161,8 +162,3 @@ class StaticStep(nn.Module):
         p = torch.softmax(s.float(), dim=-1).to(q.dtype)
         o = torch.matmul(p[..., : self.window], pv) + p[..., self.window:] * v
         return o.reshape(b, 1, self.n_heads * d)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

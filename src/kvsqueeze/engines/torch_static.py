@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..cache.static import StaticKVManager, StaticKVQuant, check_manager_matches, manager_for
+from .static_manager import StaticKVManager, StaticKVQuant, check_manager_matches, manager_for
 from .static_step import StaticStep
 
 

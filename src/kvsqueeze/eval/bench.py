@@ -213,7 +213,7 @@ def run_speed_stage(model: Any, plan: BenchPlan, progress: bool) -> dict[str, di
 # ------------------------------------------------------------------------------------------------ main
 def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True) -> Path:
     """Run every stage and write the report folder; returns its path (complete, or absent on failure)."""
-    from . import corpus as corpus_mod
+    from .. import corpus as corpus_mod
 
     start = time.perf_counter()
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)

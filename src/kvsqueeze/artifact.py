@@ -16,10 +16,9 @@ from typing import Any
 
 import torch
 
-from ..atomic_dir import staged_directory
-from ..cache.codecs_calibrated import GroupExtras, PreRopeExtras
-from ..cache.codecs_transform import TransformExtras
-from ..spec import CacheSpec, QuantSpec
+from .atomic_dir import staged_directory
+from .quant.extras import GroupExtras, PreRopeExtras, TransformExtras
+from .spec import CacheSpec, QuantSpec
 
 FORMAT = "kvsqueeze-calibration"
 VERSION = 1
