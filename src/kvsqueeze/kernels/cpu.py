@@ -6,13 +6,17 @@ with an exact log-sum-exp.  It serves decode-sized steps (up to ``MAX_QUERIES`` 
 prompt continued on top of a cache) go to the block-by-block reference, whose per-block dequantization is then
 amortised over many queries and whose matmuls use BLAS.
 
-The build is cached by torch under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), keyed by a
-hash of the source and of this machine's CPU flags (it is compiled with ``-march=native``).  If the compiler or
-ninja is missing, or ``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the reference.
+The build is cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``),
+keyed by a hash of the source and of this machine's CPU flags (it is compiled with ``-march=native``).  If the
+compiler or ninja is missing, or ``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the
+reference.  Builds are serialised by an advisory file lock that the operating system releases when its holder
+dies, so a build interrupted by Ctrl-C or a kill leaves nothing that makes the next process wait for ever (torch's
+own ``lock`` file would: it is removed here when found under the held lock).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
@@ -51,6 +55,30 @@ def _build_name() -> str:
     return f"kvsqueeze_packed_attention_{digest.hexdigest()[:12]}"
 
 
+def _build_directory(name: str) -> Path:
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
+    return Path(root) / "kvsqueeze" / name
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Hold an exclusive lock on ``build_dir`` across processes; a stale torch ``lock`` file found under it is
+    removed (only a process that died mid-build leaves one, since every builder takes this lock first)."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's own lock file is the only guard
+        yield
+        return
+    with open(build_dir / "kvsqueeze.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def load_extension(verbose: bool = False) -> ModuleType | None:
     """Build (first time only) and import the C++ extension; None when it cannot be built here."""
     global _ext, _failed
@@ -65,8 +93,11 @@ def load_extension(verbose: bool = False) -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load
 
-            _ext = load(name=_build_name(), sources=[str(_SOURCE)], verbose=verbose,
-                        extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"])
+            name = _build_name()
+            build_dir = _build_directory(name)
+            with _build_lock(build_dir):
+                _ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
+                            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"])
         except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
             _failed = f"{type(err).__name__}: {err}"
             warnings.warn(f"kvsqueeze: the C++ attention kernel could not be built ({_failed.splitlines()[0]}); "
