@@ -17,6 +17,7 @@ from .spec import PRESETS, CacheSpec, QuantSpec, preset
 _LAZY = {
     "QuantizedCache": ("kvsqueeze.adapter", "QuantizedCache"),
     "KVBytes": ("kvsqueeze.adapter", "KVBytes"),
+    "patch": ("kvsqueeze.adapter", "patch"),
     "load_model": ("kvsqueeze.models", "load_model"),
 }
 

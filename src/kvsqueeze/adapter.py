@@ -3,10 +3,15 @@
 * :class:`QuantizedCache` is a ``transformers.Cache`` whose layers wrap :class:`~kvsqueeze.cache.layer.LayerKV`.
   ``update`` only stages the step's new K/V and returns them tagged with their layer; the attention function
   registered here as ``"kvsqueeze"`` recognises the tag and attends over the packed cache chunk by chunk.
+* Routing leaves nothing behind.  A forward step that uses a :class:`QuantizedCache` switches the model's attention
+  implementation to ``"kvsqueeze"`` when its first layer stages K/V (transformers looks the attention function up
+  after ``cache.update``) and restores the previous one when the step's last layer is done or the step fails.
+  ``with kvsqueeze.patch(model):`` routes a model for a whole block instead (needed for models whose attention
+  implementation builds masks kvsqueeze cannot read, e.g. flash attention), undone on exit.
 * Attention and mask functions are registered together: the mask side is transformers' SDPA mask (boolean,
   sliding-window aware), so sliding layers get their sliding mask rather than a plain causal one.
-* Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so switching a model's
-  ``_attn_implementation`` to ``"kvsqueeze"`` never changes its results.
+* Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so a patched model's results
+  never change for other caches.
 """
 
 from __future__ import annotations
@@ -52,8 +57,14 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
             layer.step.abort()  # a failed step leaves every layer as it was before the step
         else:
             layer.pending = None
+        for lay in (layer.step.layers if layer.step is not None else [layer]):
+            if getattr(lay, "end_of_step", None) is not None:
+                lay.end_of_step()
         raise
+    layer.attended = True  # read by QuantizedCache.update of the next layer
     layer.finish_step()
+    if getattr(layer, "end_of_step", None) is not None:
+        layer.end_of_step()
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -68,6 +79,8 @@ def _attend_new_only(query, key, value, mask, scaling):
 
 
 _registered = False
+# attention implementations whose masks the kvsqueeze attention reads (boolean or additive float masks)
+ROUTABLE = ("sdpa", "eager", ATTN_NAME)
 
 
 def register() -> None:
@@ -79,13 +92,39 @@ def register() -> None:
         _registered = True
 
 
-def use_kvsqueeze_attention(config) -> None:
-    """Route a model's attention through kvsqueeze (results unchanged for K/V that are not ours)."""
-    register()
+def _configs(config) -> list:
     text = config.get_text_config(decoder=True)
-    for cfg in {id(config): config, id(text): text}.values():
-        if cfg._attn_implementation != ATTN_NAME:
-            cfg._attn_implementation = ATTN_NAME
+    return list({id(config): config, id(text): text}.values())
+
+
+def _set_impl(configs: list, impls: list[str]) -> None:
+    for cfg, impl in zip(configs, impls):
+        cfg._attn_implementation = impl
+
+
+class AttentionPatch:
+    """Routes a model's attention through kvsqueeze until :meth:`undo` (or the end of a ``with`` block)."""
+
+    def __init__(self, config):
+        register()
+        self.configs = _configs(config)
+        self.saved = [c._attn_implementation for c in self.configs]
+        _set_impl(self.configs, [ATTN_NAME] * len(self.configs))
+
+    def undo(self) -> None:
+        _set_impl(self.configs, self.saved)
+
+    def __enter__(self) -> AttentionPatch:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+def patch(model) -> AttentionPatch:
+    """Route ``model``'s attention through kvsqueeze: ``with kvsqueeze.patch(model): model.generate(...)``, or keep
+    the returned handle and call ``.undo()``.  Results of runs without a kvsqueeze cache are unchanged (SDPA)."""
+    return AttentionPatch(model.config)
 
 
 @contextlib.contextmanager
@@ -119,19 +158,26 @@ class _HFLayer(CacheLayerMixin):
         super().__init__()
         self.spec, self.sliding_window, self.backend, self.step = spec, sliding_window, backend, step
         self.is_sliding = sliding_window is not None
+        self.end_of_step: Callable[[], None] | None = None  # set on the last layer by QuantizedCache
         self.kv = self._new_kv()
 
     def _new_kv(self) -> LayerKV:
         kv = LayerKV(self.spec, self.sliding_window)
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
         kv.step = self.step
+        kv.end_of_step = self.end_of_step
         return kv
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
+    @property
+    def attended(self) -> bool:
+        return getattr(self.kv, "attended", True)
+
     def update(self, key_states, value_states, *args, **kwargs):
         self.kv.stage(key_states, value_states)
+        self.kv.attended = False
         self.is_initialized = True
         tagged = key_states.view_as(key_states)
         setattr(tagged, _TAG, self.kv)
@@ -205,8 +251,9 @@ class QuantizedCache(Cache):
     """A quantized KV cache for transformers models.
 
     ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
-    forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Creating
-    the cache routes the model's attention through kvsqueeze (outputs of runs without this cache are unchanged).
+    forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Each forward
+    step that uses the cache routes the model's attention through kvsqueeze and restores it afterwards (see the
+    module docstring); nothing about the model or its config changes for good.
     ``spec`` may also be the path of a calibration artifact directory written by ``kvsqueeze calibrate``.
     ``backend`` picks the attention kernel: ``auto`` (fastest available), ``torch`` (reference), ``cpu``, ``triton``.
     """
@@ -240,18 +287,45 @@ class QuantizedCache(Cache):
             else:
                 layers.append(_HFLayer(spec, None, backend, step))
         super().__init__(layers=layers)
-        use_kvsqueeze_attention(config)
+        register()
+        self._route_configs = _configs(config)
+        self._routed_from: list[str] | None = None  # impls to restore when the step in flight ends
+        if self.layers:
+            self.layers[-1].end_of_step = self.layers[-1].kv.end_of_step = self._unroute
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        impl = self._config.get_text_config(decoder=True)._attn_implementation
-        if impl != ATTN_NAME:
-            raise RuntimeError(f"the model's attention implementation was changed to {impl!r} after the kvsqueeze "
-                               f"cache was created; kvsqueeze's cache needs its own attention function "
-                               f"('{ATTN_NAME}')")
+        if layer_idx == 0:
+            self._route()
+        elif not self.layers[layer_idx - 1].attended:
+            # the previous layer staged K/V but its attention never reached kvsqueeze: its output ignored the cache
+            self._unroute()
+            self.layers[0].kv.step.abort()
+            raise RuntimeError("the previous layer's attention did not go through kvsqueeze (this model looks up its "
+                               "attention function before updating the cache): wrap the call in "
+                               "`with kvsqueeze.patch(model):`")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _route(self) -> None:
+        """Send this step's attention to kvsqueeze; the previous implementation comes back when the step ends."""
+        impls = [c._attn_implementation for c in self._route_configs]
+        if all(i == ATTN_NAME for i in impls):
+            return
+        bad = [i for i in impls if i not in ROUTABLE]
+        if bad:
+            raise RuntimeError(f"kvsqueeze's cache reads the masks of {', '.join(ROUTABLE[:2])} attention; this model "
+                               f"uses {bad[0]!r}: load it with attn_implementation='sdpa' or wrap the call in "
+                               "`with kvsqueeze.patch(model):`")
+        self._routed_from = impls
+        _set_impl(self._route_configs, [ATTN_NAME] * len(impls))
+
+    def _unroute(self) -> None:
+        if self._routed_from is not None:
+            _set_impl(self._route_configs, self._routed_from)
+            self._routed_from = None
 
     # everything that reads or edits the cache first discards a step that failed part-way
     def _settled(self):
+        self._unroute()  # a step that failed outside attention leaves no routing behind either
         if self.layers:
             self.layers[0].kv.step.settle()
         return self

@@ -1,0 +1,99 @@
+"""Attention routing leaves nothing behind: a QuantizedCache routes each step it serves, kvsqueeze.patch routes a
+block, and the model's attention implementation is what it was afterwards, on success and on failure."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kvsqueeze
+from kvsqueeze.adapter import ATTN_NAME, QuantizedCache
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _impls(model) -> tuple[str, str]:
+    return model.config._attn_implementation, model.config.get_text_config(decoder=True)._attn_implementation
+
+
+def test_generate_with_the_cache_restores_the_attention_implementation(tiny_llama):
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")
+    cache = QuantizedCache(tiny_llama.config, "kivi-4")
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")  # creating a cache changes nothing
+    with torch.no_grad():
+        out = tiny_llama.generate(_ids(40), past_key_values=cache, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 45)
+    assert cache.get_seq_length() == 44  # the last generated token is never fed back
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")
+
+
+def test_routed_steps_equal_patched_steps(tiny_llama):
+    """Per-step routing and an explicit patch give bit-identical logits (same attention function, same mask)."""
+    ids = _ids(70, seed=1)
+
+    def run(cache):
+        with torch.no_grad():
+            first = tiny_llama(ids[:, :60], past_key_values=cache).logits
+            rest = [tiny_llama(ids[:, t:t + 1], past_key_values=cache).logits for t in range(60, 70)]
+        return torch.cat([first[:, -1:], *rest], dim=1)
+
+    routed = run(QuantizedCache(tiny_llama.config, "k4c32-v4t32-w32"))
+    with kvsqueeze.patch(tiny_llama) as p:
+        assert _impls(tiny_llama) == (ATTN_NAME, ATTN_NAME)
+        patched = run(QuantizedCache(tiny_llama.config, "k4c32-v4t32-w32"))
+    assert isinstance(p, kvsqueeze.adapter.AttentionPatch)
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")
+    assert torch.equal(routed, patched)
+
+
+def test_eager_models_are_routed_and_restored(tiny_llama):
+    """An eager-attention model gets its additive float mask read correctly: full precision through the cache equals
+    the model's own eager attention."""
+    eager = copy.deepcopy(tiny_llama)
+    eager.config._attn_implementation = "eager"
+    ids = _ids(50, seed=2)
+    with torch.no_grad():
+        ref = eager(ids).logits
+        cache = QuantizedCache(eager.config, "full")
+        out = torch.cat([eager(ids[:, :30], past_key_values=cache).logits,
+                         eager(ids[:, 30:], past_key_values=cache).logits], dim=1)
+    assert eager.config._attn_implementation == "eager"
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_step_restores_the_attention_implementation(tiny_llama):
+    cache = QuantizedCache(tiny_llama.config, "kivi-4")
+    with torch.no_grad():
+        tiny_llama(_ids(20), past_key_values=cache)
+
+    def boom(*args):
+        raise RuntimeError("kernel failure")
+
+    cache.layers[-1].kv.attend = boom
+    with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
+        tiny_llama(_ids(1), past_key_values=cache)
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")
+    assert cache.get_seq_length() == 20
+
+
+def test_unreadable_mask_implementations_are_refused_before_anything_changes(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
+    model.config._attn_implementation = "flash_attention_2"
+    cache = QuantizedCache(model.config, "kivi-4")
+    with pytest.raises(RuntimeError, match=r"uses 'flash_attention_2'.*kvsqueeze.patch\(model\)"):
+        cache.update(torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64), 0)
+    assert model.config._attn_implementation == "flash_attention_2"
+    assert cache.get_seq_length() == 0
+
+
+def test_patch_undo_restores_exactly_what_was_there(tiny_llama):
+    model = copy.deepcopy(tiny_llama)
+    model.config._attn_implementation = "eager"
+    handle = kvsqueeze.patch(model)
+    assert model.config._attn_implementation == ATTN_NAME
+    handle.undo()
+    assert model.config._attn_implementation == "eager"
