@@ -42,7 +42,7 @@ def test_ppl_decode_for_a_peer(tiny_model_dir, tiny_corpus, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--kv", "nope"], "unknown preset or peer 'nope'"),
+    (["--kv", "nope"], "unknown cache 'nope'"),
     (["--kv", "hf-dynamic", "--protocol", "window"], "only be measured with --protocol decode"),
     (["--kv", "full", "--context", "5000"], "larger than the model supports"),
     (["--kv", "full", "--chunks", "60"], "corpus too short"),
