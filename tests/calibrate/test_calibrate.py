@@ -286,8 +286,8 @@ def test_calibrate_command_on_tiny_model_runs_in_seconds(tiny_llama, tiny_tokeni
 
 
 def test_ppl_harness_accepts_artifact_paths(tiny_llama, skvq_artifact):
-    from kvsqueeze.resolve import resolve_kv
     from kvsqueeze.eval.ppl import run_ppl
+    from kvsqueeze.resolve import resolve_kv
 
     _, path = skvq_artifact
     assert resolve_kv(str(path)).layer_overrides is not None
