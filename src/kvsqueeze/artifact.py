@@ -3,7 +3,8 @@ calibration provenance, model layout) and ``tensors.safetensors`` (permutations,
 codebooks, the RoPE table).  Written to a temporary directory and renamed into place, so a failure never
 leaves a half-written artifact; loaded with full validation (ValueError for anything missing or inconsistent).
 
-``QuantizedCache(config, "path/to/artifact")`` and every ``--kv`` option accept the directory.
+``QuantizedCache(config, "path/to/artifact")`` and every ``--kv`` option accept the directory, or the folder
+holding it when it is the only one there (:func:`kvsqueeze.resolve_kv`, which uses :func:`artifacts_in`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Peers measured in the same run: transformers' own caches, selectable by name like presets.
 
+Importing this module registers them with :func:`kvsqueeze.resolve.register_peer`, so that
+:func:`kvsqueeze.resolve_kv` (every ``--kv``) resolves their names; the resolver never imports this module.
+
 * ``hf-dynamic``: ``transformers.DynamicCache`` (full precision, the model's dtype).
 * ``hf-quanto-int4`` / ``hf-quanto-int2``: ``transformers.QuantizedCache(backend="quanto")`` with its defaults:
   groups of 64, a 128-token full-precision residual, both keys and values on axis 0 (per-token groups of 64
