@@ -57,7 +57,7 @@ def test_bad_specs_name_the_allowed_values(build, message):
 def test_cli_bad_preset_is_one_line_and_exit_2(capsys):
     assert main(["generate", "--prompt", "hi", "--kv", "kivi-9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown preset 'kivi-9'" in err[0]
+    assert len(err) == 1 and "unknown cache 'kivi-9'" in err[0]
 
 
 def test_cli_presets_lists_bits(capsys):

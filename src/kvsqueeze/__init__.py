@@ -6,12 +6,16 @@
     model.generate(**tok("Hello", return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
     print(cache.nbytes().summary())
 
+``resolve_kv(x)`` is what every cache name goes through (presets, spec strings, JSON, calibration artifact
+directories, registered peers); every error kvsqueeze raises for bad input is a ``KvsqueezeError``.
+
 Heavy modules (torch, transformers) are imported on first use of the names that need them.
 """
 
 from __future__ import annotations
 
 from ._version import __version__
+from .errors import KvsqueezeError
 from .spec import PRESETS, CacheSpec, QuantSpec, preset
 
 _LAZY = {
@@ -19,9 +23,10 @@ _LAZY = {
     "KVBytes": ("kvsqueeze.adapter", "KVBytes"),
     "patch": ("kvsqueeze.adapter", "patch"),
     "load_model": ("kvsqueeze.models", "load_model"),
+    "resolve_kv": ("kvsqueeze.resolve", "resolve_kv"),  # reads artifacts: imports torch
 }
 
-__all__ = ["PRESETS", "CacheSpec", "QuantSpec", "preset", "__version__", *_LAZY]
+__all__ = ["PRESETS", "CacheSpec", "KvsqueezeError", "QuantSpec", "preset", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -31,7 +31,8 @@ from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
 from .kernels.dispatch import check_backend, resolve
 from .layout import kv_layout
-from .spec import CacheSpec, preset
+from .resolve import resolve_cache_spec
+from .spec import CacheSpec
 
 ATTN_NAME = "kvsqueeze"
 _TAG = "_kvsqueeze_layer"
@@ -259,10 +260,11 @@ class QuantizedCache(Cache):
     """
 
     def __init__(self, config, spec: str | CacheSpec = "kivi-4", backend: str = "auto"):
-        from .artifact import check_overrides, is_artifact_dir, load_artifact
+        from .artifact import check_overrides
 
-        # a calibration artifact directory (kvsqueeze calibrate) gives one key/value spec per layer
-        spec = load_artifact(spec).cache_spec() if is_artifact_dir(spec) else preset(spec)
+        # the one resolver: presets, spec strings, JSON, artifact directories (one key/value spec per layer);
+        # a peer's name is refused with a message saying what this cache accepts
+        spec = resolve_cache_spec(spec, "QuantizedCache")
         check_backend(backend)
         layout = kv_layout(config)
         spec.check_head_dim(layout.head_dim)  # bad settings fail before anything is allocated

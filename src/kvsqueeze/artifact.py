@@ -3,7 +3,8 @@ calibration provenance, model layout) and ``tensors.safetensors`` (permutations,
 codebooks, the RoPE table).  Written to a temporary directory and renamed into place, so a failure never
 leaves a half-written artifact; loaded with full validation (ValueError for anything missing or inconsistent).
 
-``QuantizedCache(config, "path/to/artifact")`` and every ``--kv`` option accept the directory.
+``QuantizedCache(config, "path/to/artifact")`` and every ``--kv`` option accept the directory, or the folder
+holding it when it is the only one there (:func:`kvsqueeze.resolve_kv`, which uses :func:`artifacts_in`).
 """
 
 from __future__ import annotations
@@ -183,6 +184,25 @@ def is_artifact_dir(x: Any) -> bool:
         return Path(x).expanduser().is_dir()
     except OSError:
         return False
+
+
+def holds_artifact_files(folder: str | Path) -> bool:
+    """Whether ``folder`` itself is meant as an artifact: it holds the spec file or the tensors file (loading
+    then says what else is missing)."""
+    p = Path(folder).expanduser()
+    return (p / SPEC_FILE).is_file() or (p / TENSORS_FILE).is_file()
+
+
+def artifacts_in(folder: str | Path) -> list[Path]:
+    """The artifact directories directly inside ``folder`` (``kvsqueeze calibrate --out FOLDER`` writes
+    ``FOLDER/<name of settings>/``), sorted by name.  Hidden folders (a write in progress, an old copy being
+    replaced) are not artifacts."""
+    p = Path(folder).expanduser()
+    try:
+        children = sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith("."))
+    except OSError:
+        return []
+    return [c for c in children if holds_artifact_files(c)]
 
 
 def load_artifact(path: str | Path) -> Artifact:

@@ -1,8 +1,12 @@
 """`kvsqueeze` command line: a thin dispatcher.
 
 Each sub-command lives in ``kvsqueeze.commands.<module>`` with ``add_arguments(parser)`` and ``run(args) -> int``;
-modules are imported only when their command runs, so ``kvsqueeze --help`` stays fast.  A ``ValueError`` raised
-by a command (bad input) becomes a one-line message and exit code 2.
+modules are imported only when their command runs, so ``kvsqueeze --help`` stays fast.
+
+Bad input ends in one line on stderr and exit code 2, never a traceback: a
+:class:`~kvsqueeze.errors.KvsqueezeError` (or any other ``ValueError``) raised by a command, and argparse's own
+errors.  Other exceptions are bugs and keep their traceback.  With ``--json -`` the command's JSON document is the
+only thing written to stdout: everything else it prints goes to stderr.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from .errors import KvsqueezeError
 
 # command name -> (module under kvsqueeze.commands, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,9 +32,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2, as argparse's own), like every other kvsqueeze error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """All sub-commands are listed; only ``command``'s module is imported to add its arguments."""
-    parser = argparse.ArgumentParser(prog="kvsqueeze", description="Small and fast quantized KV caches.")
+    parser = _Parser(prog="kvsqueeze", description="Small and fast quantized KV caches.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -49,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    from .commands._options import json_output
+
     try:
-        return int(_load(args._module).run(args) or 0)
-    except ValueError as exc:  # bad input: one clear line, exit code 2
-        print(f"kvsqueeze {args.command}: error: {exc}", file=sys.stderr)
+        with json_output(args):  # --json -: the JSON document alone on stdout, the rest on stderr
+            return int(_load(args._module).run(args) or 0)
+    except (KvsqueezeError, ValueError) as exc:  # bad input: one clear line, exit code 2
+        print(f"kvsqueeze {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -286,11 +286,11 @@ def test_calibrate_command_on_tiny_model_runs_in_seconds(tiny_llama, tiny_tokeni
 
 
 def test_ppl_harness_accepts_artifact_paths(tiny_llama, skvq_artifact):
-    from kvsqueeze.eval.peers import check_kv
     from kvsqueeze.eval.ppl import run_ppl
+    from kvsqueeze.resolve import resolve_kv
 
     _, path = skvq_artifact
-    assert check_kv(str(path)).layer_overrides is not None
+    assert resolve_kv(str(path)).layer_overrides is not None
     chunks = _ids(1, 64, seed=7)
     win = run_ppl(tiny_llama, chunks, str(path), "window")
     allq = run_ppl(tiny_llama, chunks, str(path), "all-quantized")

@@ -49,7 +49,7 @@ def test_bench_without_corpus_runs_what_needs_no_data(tiny_model_dir, tmp_path, 
 
 def test_bench_bad_input_writes_nothing(tmp_path, capsys):
     assert main(["bench", "--kv", "full,bogus", "--out", str(tmp_path / "b")]) == 2
-    assert "unknown preset or peer 'bogus'" in capsys.readouterr().err
+    assert "unknown cache 'bogus'" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 

@@ -42,7 +42,7 @@ def test_ppl_decode_for_a_peer(tiny_model_dir, tiny_corpus, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--kv", "nope"], "unknown preset or peer 'nope'"),
+    (["--kv", "nope"], "unknown cache 'nope'"),
     (["--kv", "hf-dynamic", "--protocol", "window"], "only be measured with --protocol decode"),
     (["--kv", "full", "--context", "5000"], "larger than the model supports"),
     (["--kv", "full", "--chunks", "60"], "corpus too short"),
@@ -87,3 +87,90 @@ def test_presets_lists_peers(capsys):
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "kivi-2" in out and "hf-quanto-int4" in out and "hf-dynamic" in out
+
+
+# ------------------------------------------------------------------------------------------------ --kv everywhere
+@pytest.fixture(scope="module")
+def calibrated_out(tiny_model_dir, tiny_corpus, tmp_path_factory):
+    """`kvsqueeze calibrate --out DIR` on the tiny model: DIR holds one artifact in a named sub-folder."""
+    out = tmp_path_factory.mktemp("calibrated")
+    assert main(["calibrate", "--method", "skvq", "--model", str(tiny_model_dir), "--text", str(tiny_corpus),
+                 "--samples", "2", "--length", "64", "--window", "32", "--out", str(out), "--quiet"]) == 0
+    (art,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    return out, art
+
+
+def test_ppl_right_after_calibrate_out_dir(tiny_model_dir, tiny_corpus, calibrated_out, tmp_path, capsys):
+    out, art = calibrated_out
+    records = []
+    for kv in (out, art):  # the folder calibrate wrote into, and the artifact inside it
+        path = tmp_path / f"{kv.name}.json"
+        assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", str(kv), "--json", str(path))) == 0
+        records.append(json.loads(path.read_text()))
+    a, b = records
+    assert a["ppl"] == b["ppl"] and a["kv_bytes"] == b["kv_bytes"]  # the same artifact, the same numbers
+    assert a["spec"]["name"] == art.name and a["spec"]["calibrated_layers"] == 2 and a["spec"]["window"] == 32
+    assert a["kv_bytes"]["params"] > 0 and a["bits_per_element"] < 32
+    capsys.readouterr()
+
+
+def test_generate_with_an_artifact_and_its_folder(tiny_model_dir, calibrated_out, capsys):
+    out, art = calibrated_out
+    reports = []
+    for kv in (art, out):
+        assert main(["generate", "--prompt", "The quick brown fox " * 10, "--raw", "--kv", str(kv), "--model",
+                     str(tiny_model_dir), "--max-new-tokens", "4"]) == 0
+        reports.append(capsys.readouterr().out.splitlines()[-1])
+    # 200 prompt bytes + 3 generated tokens stored; the artifact's K2/ternary storage, not a preset's
+    assert reports[0] == reports[1] and reports[0].startswith(f"[{art.name}] 203 tokens, KV cache ")
+    assert "quantized part 2.312 bits/element" in reports[0] and reports[0].endswith("threads 2")
+
+
+def test_a_folder_with_two_artifacts_is_refused_in_one_line(tiny_model_dir, tiny_corpus, calibrated_out, tmp_path,
+                                                             capsys):
+    import shutil
+
+    out, art = calibrated_out
+    two = tmp_path / "two"
+    shutil.copytree(art, two / "a")
+    shutil.copytree(art, two / "b")
+    assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", str(two))) == 2
+    assert capsys.readouterr().err == (f"kvsqueeze ppl: error: {two} holds 2 calibration artifacts; name one of "
+                                       f"them: {two / 'a'}, {two / 'b'}\n")
+
+
+def test_generate_refuses_a_peer_and_an_unknown_cache_before_loading(capsys):
+    assert main(["generate", "--prompt", "hi", "--kv", "hf-dynamic", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsqueeze generate: error: 'hf-dynamic' is a peer (another library's cache") and \
+        "kvsqueeze generate builds kvsqueeze's own caches only" in err and err.count("\n") == 1
+    assert main(["generate", "--prompt", "hi", "--kv", "nope", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvsqueeze generate: error: unknown cache 'nope'") and "hf-quanto-int4" in err
+    assert err.count("\n") == 1
+
+
+def test_export_needs_an_artifact(capsys, tmp_path):
+    assert main(["export", "--kv", "kivi-2", "--folded", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err == ("kvsqueeze export: error: --kv must be a calibration artifact directory "
+                                       "(kvsqueeze calibrate --method invertible), got 'kivi-2'\n")
+
+
+def test_ppl_json_to_stdout(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    file_json = tmp_path / "ppl.json"
+    assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", "int4", "--json", str(file_json))) == 0
+    capsys.readouterr()
+    assert main(_ppl(tiny_model_dir, tiny_corpus, "--kv", "int4", "--json", "-")) == 0
+    captured = capsys.readouterr()
+    r, f = json.loads(captured.out), json.loads(file_json.read_text())  # stdout holds the document alone
+    assert r["ppl"] == f["ppl"] and r["kv_bytes"] == f["kv_bytes"] and r["command"].endswith("--json -")
+    assert captured.err.startswith("kvsqueeze ppl: int4, protocol window") and "\nppl " in captured.err
+    assert "wrote" not in captured.err + captured.out and not list(tmp_path.glob("*.tmp"))
+
+
+def test_retrieval_json_to_stdout_draws_no_default_heatmap(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["retrieval", "--kv", "hf-dynamic", "--model", str(tiny_model_dir), "--lengths", "260",
+                 "--depths", "0", "--json", "-"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["heatmap_png"] is None and len(r["cells"]) == 1 and list(tmp_path.iterdir()) == []

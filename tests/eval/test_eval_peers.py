@@ -7,7 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from kvsqueeze import QuantizedCache
+from kvsqueeze.errors import CacheSpecError, MissingDependencyError, UnknownCacheError
 from kvsqueeze.eval import peers
+from kvsqueeze.resolve import registered_peers, resolve_kv
 from kvsqueeze.spec import CacheSpec
 
 
@@ -25,21 +27,30 @@ def test_names_resolve_to_caches(tiny_llama):
     assert isinstance(peers.make_cache(tiny_llama, "hf-dynamic"), DynamicCache)
     assert isinstance(peers.make_cache(tiny_llama, "hf-quanto-int2-axis1"), transformers.QuantizedCache)
     assert isinstance(peers.make_cache(tiny_llama, "kivi-2"), QuantizedCache)
-    assert isinstance(peers.check_kv("k2c32-v2t32-w128-s4"), CacheSpec)
+    assert isinstance(resolve_kv("k2c32-v2t32-w128-s4"), CacheSpec)
+
+
+def test_every_peer_is_registered_with_the_resolver():
+    assert list(registered_peers()) == list(peers.PEERS)  # importing kvsqueeze.eval.peers registers them
+    for name, peer in peers.PEERS.items():
+        if peer.available:
+            assert resolve_kv(name) is peer
 
 
 def test_unknown_name_lists_presets_and_peers():
-    with pytest.raises(ValueError, match=r"unknown preset or peer 'hf-quanto-int8'.*peers: hf-dynamic"):
-        peers.check_kv("hf-quanto-int8")
-    with pytest.raises(ValueError, match="unsupported bits 9"):  # a malformed spec string keeps its own message
-        peers.check_kv("k9t32-v2t32")
+    with pytest.raises(UnknownCacheError, match=r"unknown cache 'hf-quanto-int8'.*a peer \(hf-dynamic, "):
+        resolve_kv("hf-quanto-int8")
+    with pytest.raises(CacheSpecError, match="unsupported bits 9"):  # a malformed spec string keeps its message
+        resolve_kv("k9t32-v2t32")
 
 
 def test_missing_optional_peer_library_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(peers, "_importable", lambda module: False)
-    with pytest.raises(ValueError, match=r"hf-quanto-int4 needs the optional library optimum-quanto.*pip install"):
-        peers.check_kv("hf-quanto-int4")
-    assert peers.check_kv("hf-dynamic").backend == "dynamic"  # transformers alone
+    with pytest.raises(MissingDependencyError) as err:
+        resolve_kv("hf-quanto-int4")
+    assert str(err.value) == ("the peer hf-quanto-int4 needs the optional library optimum-quanto, which is not "
+                              "installed: pip install 'kvsqueeze[peers]' (or: pip install optimum-quanto)")
+    assert resolve_kv("hf-dynamic").backend == "dynamic"  # transformers alone
 
 
 def test_quanto_bytes_are_counted_from_its_tensors(tiny_llama):

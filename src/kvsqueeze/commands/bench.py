@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .ppl import add_model_arguments
+from . import _options
 
 
 def _csv(kind):
@@ -17,11 +17,13 @@ def _csv(kind):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    _options.add_model_and_threads(p)
     p.add_argument("--quick", action="store_true",
                    help="small sizes and fewer caches: under 10 minutes on 2 cores with the embedded model")
     p.add_argument("--kv", type=_csv(str), default=None,
-                   help="comma-separated caches to measure instead of the default presets and peers")
+                   help="comma-separated caches to measure instead of the default presets and peers: each a "
+                        "preset, a spec string, a calibration artifact directory or a peer (as --kv of kvsqueeze "
+                        "ppl)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="perplexity corpus: a UTF-8 text file")
     src.add_argument("--dataset", default=None, choices=["wikitext2"], help="perplexity corpus (default wikitext2)")

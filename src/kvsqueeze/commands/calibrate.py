@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import _options
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvsqueeze.calibrate.api import METHOD_HELP, METHODS
@@ -13,9 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--method", required=True, choices=METHODS,
                    help="; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items()))
-    p.add_argument("--model", default=None,
-                   help="model: a Hugging Face directory, a .gguf file or a hub id (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    _options.add_model(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="calibration corpus: a UTF-8 text file (its last 10%% is used)")
     src.add_argument("--dataset", default=None, choices=["wikitext2"],
@@ -53,9 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nuq", action="store_true", help="KVQuant keys: non-uniform per-layer codebooks")
     p.add_argument("--window", type=int, default=128, help="full-precision window of the artifact (default 128)")
     p.add_argument("--sinks", type=int, default=4, help="full-precision sink tokens (default 4)")
-    p.add_argument("--out", required=True, help="parent folder: the artifact is written to OUT/<name of settings>")
+    p.add_argument("--out", required=True, help="parent folder: the artifact is written to OUT/<name of settings> "
+                                                "(--kv OUT then finds it while it is the only one there)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing artifact of the same name")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2)")
+    _options.add_threads(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of --generated sampling and of the invertible method's initialisation (default 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import argparse
 
+from . import _options
+
+DEFAULT_KV = "kivi-4"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--kv", default="kivi-4", help="cache preset, spec string or artifact (see `kvsqueeze presets`)")
-    p.add_argument("--model", default=None, help="HF directory, hub id or .gguf file (default: embedded SmolLM2-135M)")
+    _options.add_kv(p, default=DEFAULT_KV, help="cache: a preset (kvsqueeze presets), a spec string like "
+                                                "k2c32-v2t32-w128-s4, JSON, or a calibration artifact directory "
+                                                "(or a folder holding exactly one)")
+    _options.add_model(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    _options.add_threads(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvsqueeze.spec import preset
-
-    spec = preset(args.kv)  # unknown presets fail before the model loads
+    # an unknown cache, a bad artifact or a peer (generate builds kvsqueeze's cache) fail before the model loads
+    spec = _options.cache_spec_option(args.kv, "generate")
     if args.max_new_tokens < 1:
         raise ValueError("--max-new-tokens must be at least 1")
 
@@ -28,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from kvsqueeze.adapter import QuantizedCache
     from kvsqueeze.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
     cache = QuantizedCache(model.config, spec)
     if not args.raw and getattr(tok, "chat_template", None):

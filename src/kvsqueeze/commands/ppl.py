@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_THREADS = 2
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --threads, shared by the evaluation commands."""
-    p.add_argument("--model", default=None,
-                   help="model: a Hugging Face directory, a .gguf file or a hub id (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
-    p.add_argument("--threads", type=int, default=DEFAULT_THREADS,
-                   help=f"torch CPU threads, fixed for the whole run (default {DEFAULT_THREADS})")
+from . import _options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv", required=True,
-                   help="cache: a preset (kvsqueeze presets), a spec string, or a peer such as hf-dynamic, "
-                        "hf-quanto-int4")
-    add_model_arguments(p)
+    _options.add_kv(p)
+    _options.add_model_and_threads(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="corpus: a UTF-8 text file")
     src.add_argument("--dataset", default=None, choices=["wikitext2"],
@@ -33,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "which only decode can measure)")
     p.add_argument("--prefix", type=int, default=None,
                    help="tokens prefilled exactly before scoring (default: context/2 for decode, 0 for window)")
-    p.add_argument("--json", default=None, help="write the full result here (written atomically at the end)")
+    _options.add_json(p, "the full result")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,13 +30,13 @@ def run(args: argparse.Namespace) -> int:
 
     from kvsqueeze import corpus as corpus_mod
     from kvsqueeze.eval import meta
-    from kvsqueeze.eval.peers import Peer, check_kv
     from kvsqueeze.eval.ppl import check_protocol, default_prefix, run_ppl
+    from kvsqueeze.resolve import is_peer
 
     start = time.perf_counter()
     # everything that can be checked without the model fails here, before anything is loaded
-    kv = check_kv(args.kv)
-    protocol = args.protocol or ("decode" if isinstance(kv, Peer) else "window")
+    kv = _options.resolve_kv_option(args.kv)
+    protocol = args.protocol or ("decode" if is_peer(kv) else "window")
     prefix = default_prefix(protocol, args.context) if args.prefix is None else args.prefix
     check_protocol(kv, protocol, prefix, args.context)
     if args.chunks < 1:
@@ -78,5 +67,5 @@ def run(args: argparse.Namespace) -> int:
             "date": meta.now(),
             "machine": meta.machine_info(),
         }
-        print(f"wrote {meta.write_json_atomic(args.json, record)}")
+        _options.write_json(args, record)
     return 0

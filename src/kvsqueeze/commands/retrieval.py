@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from .ppl import add_model_arguments
+from . import _options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv", required=True, help="cache: a preset, a spec string, or a peer such as hf-dynamic")
-    add_model_arguments(p)
+    _options.add_kv(p)
+    _options.add_model_and_threads(p)
     p.add_argument("--lengths", default="1k,2k,4k,8k", help="prompt lengths in tokens (default 1k,2k,4k,8k)")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1.0",
                    help="where the pass key sits, as a fraction of the haystack (default 0,0.25,0.5,0.75,1.0)")
@@ -18,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain text prompt, or the tokenizer's chat template (default plain)")
     p.add_argument("--haystack-text", default=None,
                    help="build the haystack from this text file's sentences instead of the generated filler")
-    p.add_argument("--json", default=None, help="write the result here (atomically, at the end)")
-    p.add_argument("--png", default=None, help="heat-map image (default: next to --json, same name, .png)")
+    _options.add_json(p)
+    p.add_argument("--png", default=None, help="heat-map image (default: next to a --json file, same name, .png)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,11 +28,11 @@ def run(args: argparse.Namespace) -> int:
 
     from kvsqueeze.corpus import load_text_file
     from kvsqueeze.eval import meta, report
-    from kvsqueeze.eval.peers import check_kv, describe
+    from kvsqueeze.eval.peers import describe
     from kvsqueeze.eval.retrieval import parse_depths, parse_lengths, run_retrieval
 
     start = time.perf_counter()
-    check_kv(args.kv)
+    _options.resolve_kv_option(args.kv)
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     if args.trials < 1:
         raise ValueError(f"--trials must be at least 1, got {args.trials}")
@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     for d, row in zip(depths, res["accuracy"]):
         print(f"{d:>14g} " + " ".join(f"{100 * a:>6.0f}%" for a in row))
     print(f"mean accuracy {100 * res['mean_accuracy']:.1f}% over {len(res['cells'])} prompts")
-    png = args.png or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    to_file = args.json and not _options.json_to_stdout(args)
+    png = args.png or (str(Path(args.json).with_suffix(".png")) if to_file else None)
     if png:
         report.plot_retrieval({args.kv: res}, Path(png))
         print(f"wrote {png}")
@@ -57,5 +58,5 @@ def run(args: argparse.Namespace) -> int:
                   "model": meta.model_info(model, args.model), "threads": threads,
                   "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
                   "date": meta.now(), "machine": meta.machine_info()}
-        print(f"wrote {meta.write_json_atomic(args.json, record)}")
+        _options.write_json(args, record)
     return 0

@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import argparse
 
-from .ppl import add_model_arguments
+from . import _options
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--kv", required=True, help="cache: a preset, a spec string, or a peer such as hf-dynamic")
-    add_model_arguments(p)
+    _options.add_kv(p)
+    _options.add_model_and_threads(p)
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids) (default 1024)")
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed (default 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
-    p.add_argument("--json", default=None, help="write the result here (atomically, at the end)")
+    _options.add_json(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import time
 
     from kvsqueeze.eval import meta
-    from kvsqueeze.eval.peers import check_kv, describe
+    from kvsqueeze.eval.peers import describe
     from kvsqueeze.eval.speed import lifetime_max_rss, measure_speed
 
     start = time.perf_counter()
-    check_kv(args.kv)
+    _options.resolve_kv_option(args.kv)
     for what, v in (("--context", args.context), ("--decode-tokens", args.decode_tokens), ("--batch", args.batch)):
         if v < 1:
             raise ValueError(f"{what} must be at least 1, got {v}")
@@ -43,5 +43,5 @@ def run(args: argparse.Namespace) -> int:
         record = {**r, "cache": describe([args.kv])[0], "lifetime_max_rss_bytes": lifetime_max_rss(),
                   "model": meta.model_info(model, args.model), "wall_seconds": time.perf_counter() - start,
                   "command": meta.command_line(args), "date": meta.now(), "machine": meta.machine_info()}
-        print(f"wrote {meta.write_json_atomic(args.json, record)}")
+        _options.write_json(args, record)
     return 0

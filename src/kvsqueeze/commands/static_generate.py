@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import _options
+
 KV_CHOICES = ("float", "int8-static", "int4-static")
 
 
@@ -20,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", choices=KV_CHOICES, default="float",
                    help="K/V storage: float32, or codes with fixed calibrated scale/zero-point (default float)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--model", default=None, help="HF directory, hub id or .gguf file (default: embedded SmolLM2-135M)")
+    _options.add_model(p)
     p.add_argument("--onnx-dir", default=None,
                    help="folder of exported graphs; created when empty (default ~/.cache/kvsqueeze/onnx/"
                         "<model-hash>-<S>-<kv>, re-exported when the settings change)")
@@ -42,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let each ONNX Runtime session load and prepack its own copy of the weights (faster "
                         "MatMuls, about twice the memory); default: one memory-mapped copy shared by both graphs")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
-    p.add_argument("--threads", type=int, default=None, help="threads for ONNX Runtime and torch")
+    _options.add_threads(p)  # ONNX Runtime's intra-op threads too
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-len must be at least 2, got {args.max_len}")
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     from kvsqueeze.engines.onnx_runner import require_onnxruntime
+    from kvsqueeze.errors import MissingDependencyError
 
     require_onnxruntime()  # a missing extra fails before the model loads
     try:
         import onnx  # noqa: F401  (the exporter needs it)
     except ImportError as exc:
-        raise ValueError('the ONNX Runtime path needs onnx and onnxruntime: pip install -e ".[onnx]"') from exc
+        raise MissingDependencyError('the ONNX Runtime path needs onnx and onnxruntime: pip install -e ".[onnx]"'
+                                     ) from exc
 
     from kvsqueeze.models import load_model, set_threads
 

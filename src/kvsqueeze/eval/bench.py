@@ -15,8 +15,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..resolve import resolve_kv
 from . import meta, report
-from .peers import PEERS, Peer, check_kv, describe
+from .peers import PEERS, Peer, describe
 
 QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
 QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
@@ -67,13 +68,13 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
             setattr(plan, key, value)
     if caches is not None:
         for name in caches:
-            check_kv(name)
+            resolve_kv(name)
         plan.caches = list(dict.fromkeys(caches))
     else:
         usable = []
         for name in plan.caches:
             try:
-                check_kv(name)
+                resolve_kv(name)
                 usable.append(name)
             except ValueError as exc:
                 plan.skipped.append(f"{name}: {exc}")
@@ -128,13 +129,13 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
         return step * (1 + n / 3300) / (1 + 256 / 3300)
 
     def factor(name: str) -> float:
-        kv = check_kv(name)
+        kv = resolve_kv(name)
         return 1.0 if (isinstance(kv, Peer) and kv.backend == "dynamic") else 2.0
 
     total = 0.0
     for name in plan.caches:
         f = factor(name)
-        peer = isinstance(check_kv(name), Peer)
+        peer = isinstance(resolve_kv(name), Peer)
         if with_ppl:
             n, c = plan.ppl_context, plan.ppl_chunks
             decode = c * (pre(n - plan.ppl_decode_tokens) + f * plan.ppl_decode_tokens * dec(n))
@@ -161,7 +162,7 @@ def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> d
     footprints: dict[str, dict[str, Any]] = {}
     prefix = plan.ppl_context - plan.ppl_decode_tokens
     n = plan.ppl_chunks
-    peers = [c for c in plan.caches if isinstance(check_kv(c), Peer)]
+    peers = [c for c in plan.caches if isinstance(resolve_kv(c), Peer)]
     ours = [c for c in plan.caches if c not in peers]
     with _bar(n * (3 * len(ours) + len(peers)), "perplexity", progress) as bar:
         for name in ours:

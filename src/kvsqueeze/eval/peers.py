@@ -1,5 +1,8 @@
 """Peers measured in the same run: transformers' own caches, selectable by name like presets.
 
+Importing this module registers them with :func:`kvsqueeze.resolve.register_peer`, so that
+:func:`kvsqueeze.resolve_kv` (every ``--kv``) resolves their names; the resolver never imports this module.
+
 * ``hf-dynamic``: ``transformers.DynamicCache`` (full precision, the model's dtype).
 * ``hf-quanto-int4`` / ``hf-quanto-int2``: ``transformers.QuantizedCache(backend="quanto")`` with its defaults:
   groups of 64, a 128-token full-precision residual, both keys and values on axis 0 (per-token groups of 64
@@ -22,7 +25,8 @@ from typing import Any
 import torch
 
 from ..cache.accounting import ByteTotals
-from ..spec import PRESETS, CacheSpec, preset
+from ..resolve import register_peer, resolve_kv
+from ..spec import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,10 @@ class Peer:
     def available(self) -> bool:
         return self.requires is None or _importable(self.requires[0])
 
+    @property
+    def install_hint(self) -> str:
+        return PEER_INSTALL_HINT
+
     def settings(self) -> dict[str, Any]:
         d = {"backend": self.backend, "description": self.description}
         if self.backend == "quanto":
@@ -66,37 +74,8 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("hf-fp8", "fp8", "transformers QuantizedCache, fp8-e4m3 with one scale per layer tensor"),
 )}
 PEER_INSTALL_HINT = "pip install 'kvsqueeze[peers]' (or: pip install optimum-quanto)"
-
-
-def check_kv(name: str) -> CacheSpec | Peer:
-    """Resolve a --kv value to our CacheSpec or a Peer; ValueError naming the allowed values, or saying which
-    optional library a peer is missing.  Nothing is loaded or allocated."""
-    if name in PEERS:
-        peer = PEERS[name]
-        if not peer.available:
-            raise ValueError(f"the peer {name} needs the optional library {peer.requires[1]}, which is not "
-                             f"installed: {PEER_INSTALL_HINT}")
-        return peer
-    artifact = _calibration_artifact(name)
-    if artifact is not None:
-        return artifact
-    try:
-        return preset(name)
-    except ValueError as exc:
-        if not str(exc).startswith("unknown preset"):  # a malformed spec string or JSON: its own message
-            raise
-        raise ValueError(f"unknown preset or peer {name!r}; presets: {', '.join(PRESETS)}; peers: "
-                         f"{', '.join(PEERS)}; a spec string like 'k2c32-v2t32-w128-s4'; or a calibration "
-                         f"artifact directory") from None
-
-
-def _calibration_artifact(name: str) -> CacheSpec | None:
-    """The CacheSpec of a ``kvsqueeze calibrate`` artifact directory, None when ``name`` is not a directory."""
-    try:
-        from ..artifact import is_artifact_dir, load_artifact
-    except ImportError:  # calibration support absent: names are presets or peers only
-        return None
-    return load_artifact(name).cache_spec() if is_artifact_dir(name) else None
+for _peer in PEERS.values():  # selectable by name wherever a cache is named (kvsqueeze.resolve_kv)
+    register_peer(_peer)
 
 
 def _importable(module: str) -> bool:
@@ -107,8 +86,9 @@ def _importable(module: str) -> bool:
 
 
 def make_cache(model: Any, name: str | CacheSpec) -> Any:
-    """An empty cache for ``model``: kvsqueeze's QuantizedCache for a preset/spec, or the peer's own cache."""
-    kv = name if isinstance(name, CacheSpec) else check_kv(name)
+    """An empty cache for ``model``: kvsqueeze's QuantizedCache for anything :func:`kvsqueeze.resolve_kv` turns
+    into a CacheSpec, or the peer's own cache."""
+    kv = resolve_kv(name)
     if isinstance(kv, CacheSpec):
         from ..adapter import QuantizedCache
 
@@ -244,7 +224,7 @@ def describe(names: Iterable[str]) -> list[dict[str, Any]]:
     """Settings of each name, for JSON: the full CacheSpec of a preset or a peer's settings."""
     out = []
     for n in names:
-        kv = check_kv(n)
+        kv = resolve_kv(n)
         out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer)
                    else {"name": n, "kind": "preset", "spec": kv.to_dict(), "label": kv.label()})
     return out

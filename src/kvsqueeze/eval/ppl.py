@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from ..resolve import resolve_kv
 from ..spec import CacheSpec
-from .peers import Peer, check_kv, footprint, make_cache, prefill
+from .peers import Peer, footprint, make_cache, prefill
 from .protocols import PROTOCOLS, nll_all_quantized, nll_decode, nll_window, protocol_note, scored_start
 
 
@@ -51,7 +52,7 @@ def run_ppl(model: Any, chunks: torch.Tensor, kv_name: str, protocol: str, prefi
             progress: Any = None, footprints: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Perplexity of ``kv_name`` on ``chunks`` [N, T].  ``footprints`` memoizes the byte measurement per
     stored layout across calls."""
-    kv = check_kv(kv_name)
+    kv = resolve_kv(kv_name)
     n_chunks, context = chunks.shape
     prefix = default_prefix(protocol, context) if prefix is None else prefix
     check_protocol(kv, protocol, prefix, context)

@@ -1,0 +1,122 @@
+"""Options shared by the sub-commands, each defined once with one default: --model, --kv, --threads, --json.
+
+Nothing heavy is imported here at module level: building a command's parser must stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+DEFAULT_THREADS = 2
+JSON_STDOUT = "-"
+_json_stream: TextIO | None = None  # the real standard output while json_output() redirects the rest
+
+MODEL_HELP = ("model: a Hugging Face directory, a .gguf file or a hub id (default: the embedded "
+              "SmolLM2-135M-Instruct)")
+KV_HELP = ("cache: a preset (kvsqueeze presets), a spec string like k2c32-v2t32-w128-s4, JSON, a calibration "
+           "artifact directory (or a folder holding exactly one, as kvsqueeze calibrate --out writes), or a peer "
+           "such as hf-dynamic, hf-quanto-int4")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def json_destination(text: str) -> str:
+    """argparse type: ``-`` (standard output) or a file path that is not a directory."""
+    if text != JSON_STDOUT and Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name, or - for standard output")
+    return text
+
+
+def add_model(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
+    p.add_argument("--model", default=None, help=help)
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=DEFAULT_THREADS,
+                   help=f"torch CPU threads, fixed for the whole run (default {DEFAULT_THREADS})")
+
+
+def add_model_and_threads(p: argparse.ArgumentParser) -> None:
+    add_model(p)
+    add_threads(p)
+
+
+def add_kv(p: argparse.ArgumentParser, default: str | None = None, help: str = KV_HELP) -> None:
+    """--kv: required unless the command has a ``default``."""
+    if default is None:
+        p.add_argument("--kv", required=True, help=help)
+    else:
+        p.add_argument("--kv", default=default, help=f"{help} (default {default})")
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "the result") -> None:
+    p.add_argument("--json", default=None, type=json_destination, metavar="PATH",
+                   help=f"write {what} as JSON to PATH (atomically, at the end); - writes it to standard output "
+                        f"and the human-readable lines to standard error")
+
+
+def resolve_kv_option(value: Any) -> Any:
+    """The CacheSpec or peer that a --kv value names.  The evaluation peers are registered first, so their
+    names resolve (and the message for an unknown name lists them)."""
+    import kvsqueeze.eval.peers  # noqa: F401  (registers transformers' caches as peers)
+    from kvsqueeze.resolve import resolve_kv
+
+    return resolve_kv(value)
+
+
+def cache_spec_option(value: Any, command: str) -> Any:
+    """Like :func:`resolve_kv_option` for commands that build kvsqueeze's own cache: a peer is refused."""
+    import kvsqueeze.eval.peers  # noqa: F401  (so that a peer's name is recognised and refused clearly)
+    from kvsqueeze.resolve import resolve_cache_spec
+
+    return resolve_cache_spec(value, f"kvsqueeze {command}")
+
+
+def json_to_stdout(args: argparse.Namespace) -> bool:
+    return getattr(args, "json", None) == JSON_STDOUT
+
+
+@contextlib.contextmanager
+def json_output(args: argparse.Namespace) -> Iterator[None]:
+    """With ``--json -``, send everything printed inside the block to standard error, keeping the real standard
+    output for the one JSON document :func:`write_json` writes; otherwise do nothing."""
+    global _json_stream
+    if not json_to_stdout(args):
+        yield
+        return
+    saved, _json_stream = _json_stream, sys.stdout
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _json_stream = saved
+
+
+def write_json(args: argparse.Namespace, record: dict[str, Any]) -> None:
+    """Write ``record`` where --json says: a file (atomically; a line saying so is printed) or standard output
+    (the real one, inside :func:`json_output`)."""
+    from kvsqueeze.eval import meta
+
+    if json_to_stdout(args):
+        stream = _json_stream or sys.stdout
+        # the same document write_json_atomic writes: NaN and infinities as null, indent 2
+        json.dump(meta._finite(record), stream, indent=2, allow_nan=False, default=str)
+        stream.write("\n")
+        stream.flush()
+    else:
+        print(f"wrote {meta.write_json_atomic(args.json, record)}")
