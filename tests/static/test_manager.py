@@ -161,3 +161,20 @@ def test_head_layout_window_contiguity():
     assert not StaticKVManager(1, 2, 4, 8, layout="head").contiguous
     m = StaticKVManager(1, 2, 4, 8, layout="token", batch_size=3)
     assert m.contiguous and m.window(0)[0].flags.c_contiguous and m.window(0)[0].base is m.k[0]
+
+
+def test_onnx_runtime_path_imports_no_torch():
+    """The manager quantizes through torch (kvsqueeze.quant) only when asked: an ONNX Runtime deployment that
+    imports the manager, the runner and the greedy loop does not load torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "import kvsqueeze.engines.onnx_runner, kvsqueeze.engines.static_generation\n"
+            "from kvsqueeze.engines.static_manager import StaticKVManager, StaticKVQuant\n"
+            "m = StaticKVManager(1, 1, 4, 8); m.append([np.ones((1, 1, 1, 4), np.float32)], "
+            "[np.ones((1, 1, 1, 4), np.float32)])\n"
+            "q = StaticKVQuant(8, False, 'tensor', *([np.ones((1, 1, 1), np.float32)] * 4))\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('kvsqueeze.quant')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

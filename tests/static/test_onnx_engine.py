@@ -106,7 +106,11 @@ def test_int8_codes_pass_from_output_to_input_bit_exact(int8_graphs):
 
     m.commit = spy
     res = greedy_generate(eng, m, [PROMPT], 40)
-    assert m.k[0].dtype == np.uint8 and res.stats["copies"] > 0 and res.stats["requantizations"] == 0
+    # 5-token prompt, 40 tokens: 39 decode steps; reserve 1.5 leaves ceil(1.5 * 23) - 23 = 12 free slots
+    assert res.decode_steps == 39 and m.reserved == 35
+    assert res.stats["copies"] == (39 - 1) // 12 == 3
+    assert res.stats["bytes_moved"] == 3 * 2 * 2 * W * m.token_bytes and m.token_bytes == 2 * 64  # uint8 codes
+    assert m.k[0].dtype == np.uint8 and res.stats["requantizations"] == 0
     window = m.window(0)[0]
     assert np.array_equal(window[-len(written[-W:]):], np.concatenate(written[-W:]))
 
@@ -123,6 +127,29 @@ def test_int8_static_matches_torch_engine_and_reports_divergence(static_llama, i
     f = greedy_generate(ef, ef.make_manager(), [PROMPT], n, keep_logits=True)
     div = first_divergence(f.tokens[0], a.tokens[0], f.logits, a.logits)
     assert div is None or div["tie_within_error"], div
+
+
+def test_int4_graphs_export_and_match_the_torch_engine(static_llama, tmp_path):
+    """4-bit codes (two per byte, unpacked in the graph without a bitwise AND, so opset 17 exports it): ONNX Runtime
+    and the eager modules write the same packed codes and choose the same tokens, through window copies."""
+    from kvsqueeze.engines.static_calibration import calibrate_static
+
+    ids = torch.randint(2, 256, (400,), generator=torch.Generator().manual_seed(1)).tolist()
+    for layout, quant in (("token", calibrate_static(static_llama, ids, bits=4, chunk_len=128)),
+                          ("head", calibrate_static(static_llama, ids, bits=4, symmetric=True, granularity="tensor",
+                                                    chunk_len=128))):
+        eng = OrtStaticEngine(export_static_graphs(static_llama, tmp_path / layout, S, quant=quant, layout=layout))
+        te = TorchStaticEngine(static_llama, S, quant=quant, layout=layout)
+        ma, mb = eng.make_manager(1.5, on_full="slide"), te.make_manager(1.5, on_full="slide")
+        a = greedy_generate(eng, ma, [PROMPT], 40, keep_logits=True)
+        b = greedy_generate(te, mb, [PROMPT], 40, keep_logits=True)
+        assert ma.k[0].dtype == np.uint8 and eng.info.stored_dim == 32
+        assert a.tokens == b.tokens and a.stats["copies"] == 3
+        np.testing.assert_allclose(np.concatenate(a.logits), np.concatenate(b.logits), atol=1e-3, rtol=1e-3)
+        for layer in range(2):  # packed bytes: each nibble within one code of the other engine's (float noise)
+            for x, y in zip(ma.window(layer), mb.window(layer)):
+                x, y = x.astype(np.int16), y.astype(np.int16)
+                assert (abs((x & 15) - (y & 15)) <= 1).all() and (abs((x >> 4) - (y >> 4)) <= 1).all()
 
 
 def test_int8_static_vs_kvsqueeze_int8_cache(llama_factory, int8_quant, int8_graphs):

@@ -41,8 +41,12 @@ def test_generates_and_reports(capsys, tiny_dir, calib_file, tmp_path):
     code, out, err = _run(capsys, *args)
     assert code == 0, err
     last = out.strip().splitlines()[-1]
-    assert re.search(r"tokens/s=[\d.]+ .* copies=\d+ bytes_moved=\d+ .* requantizations=0$", last), last
-    assert "copies=2 " in last  # 29 decode steps, ceil(1.5 * 23) - 23 = 12 free slots: (29 - 1) // 12
+    # 30 tokens = 29 decode steps; ceil(1.5 * 23) = 35 slots leave 12 free: (29 - 1) // 12 = 2 copies, each moving
+    # the 23-token window of K and V in 2 layers at 2 heads x 64 uint8 codes per token (2 * 2 * 2 * 23 * 128 bytes);
+    # buffers: 2 layers x K and V x 35 slots x 128 bytes
+    tail = (r" steps; prefill \d+ ms\) generated=30 kv=int8-static S=24 reserve=1.5 copies=2 "
+            r"bytes_moved=23552 staging_bytes=0 kv_buffer_bytes=17920 requantizations=0$")
+    assert re.search(r"^tokens/s=\d+\.\d\d \(decode, onnxruntime CPU, \d+ threads, 29" + tail, last), last
     assert (onnx_dir / "decode.onnx").is_file()
     # the second run reuses the graphs (no export message)
     code, out2, err2 = _run(capsys, *args)

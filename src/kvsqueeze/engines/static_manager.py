@@ -20,7 +20,10 @@ runner counts).  Every (layer, KV head) series lives in its layer's buffer, stri
 
 Quantized storage: :class:`StaticKVQuant` holds fixed, calibrated per-channel or per-tensor scale / zero-point.
 The graph dequantizes the past codes and emits the new K/V already quantized with the same parameters, so codes
-travel from an output to the next step's input byte for byte: the manager never requantizes anything.
+travel from an output to the next step's input byte for byte: the manager never requantizes anything.  The codes
+are kvsqueeze's one affine quantizer (``kvsqueeze.quant.affine``, code zero-point domain) and its bit packer
+(``kvsqueeze.quant.packing``); the numpy methods wrap those torch functions (zero-copy), and the traced graphs
+call the same ones.
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where it is used: the ONNX Runtime path imports this module torch-free
+    import torch
 
 LAYOUTS = ("token", "head")
 ON_FULL = ("stop", "slide")
@@ -415,23 +422,43 @@ class StaticKVQuant:
         vs, vz = one(np.asarray(lo_v, np.float32), np.asarray(hi_v, np.float32))
         return cls(bits, symmetric, granularity, ks, kz, vs, vz, dict(meta or {}))
 
-    # ----- numpy reference (the graph does the same arithmetic in float32)
+    # ----- numpy API over the one quantizer and packer (the traced graph calls the same torch functions)
     def quantize(self, x: np.ndarray, kind: str, layer: int, layout: str = "token") -> np.ndarray:
-        """Codes of float ``x`` (token layout ``[T, B, H, D]`` or head layout ``[B, H, T, D]``)."""
+        """Codes of float ``x`` (token layout ``[T, B, H, D]`` or head layout ``[B, H, T, D]``), in the stored form:
+        :func:`~kvsqueeze.quant.affine.affine_codes` (code zero-point domain), 4-bit ones packed by
+        :func:`~kvsqueeze.quant.packing.pack_bits` (channel ``2i`` in the low nibble)."""
         scale, zero = self._broadcast(kind, layer, layout)
-        lo, hi = self.qrange
-        q = np.clip(np.round(np.asarray(x, np.float32) / scale) + zero, lo, hi)
-        if self.bits == 4:
-            q = q[..., 0::2] + 16 * q[..., 1::2]
-        return q.astype(self.storage_dtype)
+        return self.codes_torch(_as_tensor(np.asarray(x, np.float32)), _as_tensor(scale), _as_tensor(zero)).numpy()
 
     def dequantize(self, q: np.ndarray, kind: str, layer: int, layout: str = "token") -> np.ndarray:
+        """float32 values of stored codes ``q`` (the inverse layout of :meth:`quantize`)."""
         scale, zero = self._broadcast(kind, layer, layout)
-        c = np.asarray(q).astype(np.float32)
+        return self.values_torch(_as_tensor(np.asarray(q, self.storage_dtype)), _as_tensor(scale),
+                                 _as_tensor(zero)).numpy()
+
+    def codes_torch(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """Stored codes (int8 / uint8, 4-bit packed) of float tensor ``x``; ``scale``/``zero`` broadcast against
+        it.  Traceable: the static graphs quantize their new K/V with it."""
+        import torch
+
+        from ..quant.affine import affine_codes
+        from ..quant.packing import pack_bits
+
+        lo, hi = self.qrange
+        codes = affine_codes(x, scale, zero, lo, hi, domain="code")
         if self.bits == 4:
-            hi = np.floor(c / 16)
-            c = np.stack([c - 16 * hi, hi], axis=-1).reshape(*c.shape[:-1], -1)
-        return (c - zero) * scale
+            return pack_bits(codes.to(torch.uint8), 4)
+        return codes.to(torch.int8 if self.storage_dtype.kind == "i" else torch.uint8)
+
+    def values_torch(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """float32 values of stored codes ``q`` (a tensor of :attr:`storage_dtype`).  Traceable: the static graphs
+        dequantize their past window with it (4-bit unpacking without a bitwise AND, so opset 17 exports it)."""
+        from ..quant.affine import affine_values
+        from ..quant.packing import unpack_bits_exportable
+
+        if self.bits == 4:
+            q = unpack_bits_exportable(q, 4, 2 * q.shape[-1])
+        return affine_values(q, scale, zero, domain="code")
 
     def _broadcast(self, kind: str, layer: int, layout: str) -> tuple[np.ndarray, np.ndarray]:
         scale, zero = self.params(kind, layer)  # [H, D] or [1, 1]
@@ -459,6 +486,13 @@ class StaticKVQuant:
         for a in (self.k_scale, self.k_zero, self.v_scale, self.v_zero):
             h.update(a.tobytes())
         return h.hexdigest()[:16]
+
+
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    """A zero-copy tensor view of ``a`` (a copy only when ``a`` is read-only, which torch cannot wrap)."""
+    import torch
+
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
 def manager_for(info, dtype, reserve: float = 2.0, on_full: str = "stop", naive: bool = False) -> StaticKVManager:

@@ -21,13 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..layout import KVLayout, kv_layout
 from ..rope import rotate_half
 from .static_manager import LAYOUTS, StaticKVQuant
 
 MODES = ("prefill", "decode")
 
 
-def _check_llama_like(model: nn.Module) -> None:
+def _check_llama_like(model: nn.Module) -> KVLayout:
+    """The model's KV layout (:func:`kvsqueeze.layout.kv_layout`), after checking it is one this module can run."""
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or any(not hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
@@ -35,9 +37,10 @@ def _check_llama_like(model: nn.Module) -> None:
             f"static export supports Llama-family causal LMs (model.model.{{{', '.join(needed)}}} and lm_head); "
             f"got {type(model).__name__}"
         )
-    cfg = model.config
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+    layout = kv_layout(model.config)
+    if "sliding_attention" in layout.layer_types:
         raise ValueError("static export does not support sliding-window attention layers")
+    return layout
 
 
 class StaticStep(nn.Module):
@@ -46,20 +49,17 @@ class StaticStep(nn.Module):
     def __init__(self, model: nn.Module, max_len: int, mode: str = "decode", *, layout: str = "token",
                  quant: StaticKVQuant | None = None) -> None:
         super().__init__()
-        _check_llama_like(model)
+        kv = _check_llama_like(model)
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; allowed: {', '.join(MODES)}")
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
         if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 2:
             raise ValueError(f"max_len must be an integer >= 2, got {max_len!r}")
-        cfg = model.config
         self.model, self.mode, self.layout, self.quant = model, mode, layout, quant
         self.window = max_len - 1
-        self.n_layers = cfg.num_hidden_layers
-        self.n_heads = cfg.num_attention_heads
-        self.n_kv = getattr(cfg, "num_key_value_heads", None) or self.n_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.n_layers, self.n_heads, self.n_kv, self.head_dim = (kv.num_layers, kv.num_heads, kv.num_kv_heads,
+                                                                 kv.head_dim)
         self.groups = self.n_heads // self.n_kv
         self.scaling = self.head_dim ** -0.5
         if mode == "prefill":  # fixed [S-1, S-1] masks as graph constants (ORT has no bool EyeLike kernel)
@@ -77,22 +77,14 @@ class StaticStep(nn.Module):
                                      f"{(self.n_layers, self.n_kv, self.head_dim)} or per-tensor")
                 self.register_buffer(name, a[:, :, None, :], persistent=False)  # [L, H, 1, D] for [B, H, T, D]
 
-    # ------------------------------------------------------------------ quantization (same math as the numpy ref)
+    # ------------------------------------------------------------------ quantization (StaticKVQuant's own functions)
     def _quantize(self, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
         scale, zero = getattr(self, f"{kind}_scale")[layer], getattr(self, f"{kind}_zero")[layer]
-        lo, hi = self.quant.qrange
-        q = torch.clamp(torch.round(x / scale) + zero, lo, hi)
-        if self.quant.bits == 4:
-            q = q[..., 0::2] + 16 * q[..., 1::2]
-        return q.to(torch.int8 if self.quant.storage_dtype.kind == "i" else torch.uint8)
+        return self.quant.codes_torch(x, scale, zero)
 
     def _dequantize(self, q: torch.Tensor, kind: str, layer: int) -> torch.Tensor:
         scale, zero = getattr(self, f"{kind}_scale")[layer], getattr(self, f"{kind}_zero")[layer]
-        c = q.to(torch.float32)
-        if self.quant.bits == 4:
-            high = torch.floor(c / 16)
-            c = torch.stack([c - 16 * high, high], dim=-1).reshape(*c.shape[:-1], self.head_dim)
-        return (c - zero) * scale
+        return self.quant.values_torch(q, scale, zero)
 
     # ------------------------------------------------------------------ layout helpers ([B, H, T, D] inside)
     def _to_store(self, x: torch.Tensor, kind: str, layer: int) -> torch.Tensor:

@@ -71,3 +71,25 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     word = b.sum(-1, dtype=torch.int32)
     c = (word.unsqueeze(-1) >> _shifts(3, 8, packed.device, torch.int32)) & mask
     return c.to(torch.uint8).reshape(*lead, n)
+
+
+def unpack_bits_exportable(packed: Tensor, bits: int, n: int) -> Tensor:
+    """:func:`unpack_bits` without a bitwise AND, for graphs exported to ONNX below opset 18 (which has no
+    BitwiseAnd): each field is shifted down and its higher bits are taken off by a subtraction.  Same codes, same
+    checks; the static engines' traced steps use it."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
+    unit = _check(bits, n)
+    expect = packed_nbytes(n, bits)
+    if packed.shape[-1] != expect:
+        raise ValueError(f"{n} {bits}-bit codes take {expect} bytes, but the packed dim has {packed.shape[-1]}")
+    if unit is None:
+        return packed
+    lead = packed.shape[:-1]
+    if bits != 3:
+        c = packed.unsqueeze(-1) >> _shifts(bits, 8 // bits, packed.device, torch.uint8)
+        return (c - ((c >> bits) << bits)).reshape(*lead, n)
+    b = packed.reshape(*lead, n // 8, 3).to(torch.int32) << _shifts(8, 3, packed.device, torch.int32)
+    word = b.sum(-1, dtype=torch.int32)
+    c = word.unsqueeze(-1) >> _shifts(3, 8, packed.device, torch.int32)
+    return (c - ((c >> 3) << 3)).to(torch.uint8).reshape(*lead, n)
