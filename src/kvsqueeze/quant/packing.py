@@ -52,8 +52,11 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     return b.to(torch.uint8).reshape(*lead, n // per * nbytes)
 
 
-def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
-    """Inverse of :func:`pack_bits`: ``n`` uint8 codes along the last dim."""
+def unpack_bits(packed: Tensor, bits: int, n: int, exportable: bool = False) -> Tensor:
+    """Inverse of :func:`pack_bits`: ``n`` uint8 codes along the last dim.
+
+    ``exportable``: the same codes without a bitwise AND, for graphs exported to ONNX below opset 18 (which has
+    no BitwiseAnd): each field is shifted down and its higher bits are taken off by a subtraction."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
     unit = _check(bits, n)
@@ -63,33 +66,19 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     if unit is None:
         return packed
     lead = packed.shape[:-1]
-    mask = (1 << bits) - 1
-    if bits != 3:
-        c = (packed.unsqueeze(-1) >> _shifts(bits, 8 // bits, packed.device, torch.uint8)) & mask
-        return c.reshape(*lead, n)
-    b = packed.reshape(*lead, n // 8, 3).to(torch.int32) << _shifts(8, 3, packed.device, torch.int32)
-    word = b.sum(-1, dtype=torch.int32)
-    c = (word.unsqueeze(-1) >> _shifts(3, 8, packed.device, torch.int32)) & mask
-    return c.to(torch.uint8).reshape(*lead, n)
 
+    def low_bits(c: Tensor, width: int) -> Tensor:
+        return c - ((c >> width) << width) if exportable else c & ((1 << width) - 1)
 
-def unpack_bits_exportable(packed: Tensor, bits: int, n: int) -> Tensor:
-    """:func:`unpack_bits` without a bitwise AND, for graphs exported to ONNX below opset 18 (which has no
-    BitwiseAnd): each field is shifted down and its higher bits are taken off by a subtraction.  Same codes, same
-    checks; the static engines' traced steps use it."""
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
-    unit = _check(bits, n)
-    expect = packed_nbytes(n, bits)
-    if packed.shape[-1] != expect:
-        raise ValueError(f"{n} {bits}-bit codes take {expect} bytes, but the packed dim has {packed.shape[-1]}")
-    if unit is None:
-        return packed
-    lead = packed.shape[:-1]
     if bits != 3:
         c = packed.unsqueeze(-1) >> _shifts(bits, 8 // bits, packed.device, torch.uint8)
-        return (c - ((c >> bits) << bits)).reshape(*lead, n)
+        return low_bits(c, bits).reshape(*lead, n)
     b = packed.reshape(*lead, n // 8, 3).to(torch.int32) << _shifts(8, 3, packed.device, torch.int32)
     word = b.sum(-1, dtype=torch.int32)
     c = word.unsqueeze(-1) >> _shifts(3, 8, packed.device, torch.int32)
-    return (c - ((c >> 3) << 3)).to(torch.uint8).reshape(*lead, n)
+    return low_bits(c, 3).to(torch.uint8).reshape(*lead, n)
+
+
+def unpack_bits_exportable(packed: Tensor, bits: int, n: int) -> Tensor:
+    """:func:`unpack_bits` for ONNX graphs below opset 18 (no BitwiseAnd); the static engines' traced steps use it."""
+    return unpack_bits(packed, bits, n, exportable=True)
