@@ -14,6 +14,13 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
+from _skip_accounting import (  # noqa: F401  (hooks: skip counts by reason, CI's required packages)
+    pytest_collectreport,
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_terminal_summary,
+)
+
 # Triton reads TRITON_INTERPRET when it is first imported, which may happen while any test module is collected
 # (not only tests/kernels): without a GPU, switch the interpreter on before anything else runs.
 if not torch.cuda.is_available():
