@@ -93,7 +93,7 @@ def bench_cpu(args) -> None:
 
         def ours(ls, qs=qs):
             for q, layer in zip(qs, ls):
-                cpu.attend_layer(q, layer, None, scale)
+                cpu.attend(q, layer.plan(), None, scale)
 
         methods = {f"kvsqueeze {p}": (lambda ls=layers[p]: ours(ls)) for p in CPU_PRESETS}
         methods["SDPA fp32"] = lambda d32=dense32: sdpa(d32)
@@ -150,14 +150,14 @@ def bench_gpu(args) -> None:
                     return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=kvh != 32)
 
                 def deq_sdpa(layer, q=q, kvh=kvh):
-                    segs = list(layer.segments())
+                    segs = list(layer.plan().decoded())
                     k2 = torch.cat([s[1].half() for s in segs], 2)
                     v2 = torch.cat([s[2].half() for s in segs], 2)
                     return torch.nn.functional.scaled_dot_product_attention(q, k2, v2, enable_gqa=kvh != 32)
 
                 methods = {"SDPA fp16": sdpa}
                 for p, la in layers.items():
-                    methods[f"fused {p}"] = lambda la=la, q=q: triton_decode.attend_layer(q, la, None, 128 ** -0.5)
+                    methods[f"fused {p}"] = lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5)
                     methods[f"dequant+SDPA {p}"] = lambda la=la: deq_sdpa(la)
                 res = {}
                 for m, fn in methods.items():
@@ -188,8 +188,7 @@ def bench_gpu_prefill(args) -> None:
     if not torch.cuda.is_available():
         print("\n## GPU prefill: no CUDA device; section skipped")
         return
-    from kvsqueeze.kernels import triton_decode
-    from kvsqueeze.kernels.dispatch import reference_attend_layer
+    from kvsqueeze.kernels import reference, triton_decode
 
     if not triton_decode.available():
         print("\n## GPU prefill: Triton kernels unavailable; section skipped")
@@ -211,9 +210,9 @@ def bench_gpu_prefill(args) -> None:
         for p in ("kivi-4", "kivi-2"):
             la = build_layer(p, k, v, nk, nv)
             res[f"triton prefill {p}"] = _cuda_ms(
-                lambda la=la, q=q: triton_decode.attend_layer(q, la, None, 128 ** -0.5), args.reps)
+                lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), args.reps)
             res[f"torch reference {p}"] = _cuda_ms(
-                lambda la=la, q=q: reference_attend_layer(q, la, None, 128 ** -0.5), max(3, args.reps // 5))
+                lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5))
             del la
         for m, t in res.items():
             print(f"| {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")

@@ -126,7 +126,7 @@ def _dense(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """K/V of a kvsqueeze "full" cache as dense tensors (sinks, blocks, window)."""
     out = []
     for layer in cache.layers:
-        segs = [(k, v) for _, k, v, _ in layer.kv.segments()]
+        segs = [(k, v) for _, k, v, _ in layer.kv.plan().decoded()]
         out.append((torch.cat([k for k, _ in segs], 2), torch.cat([v for _, v in segs], 2)))
     return out
 

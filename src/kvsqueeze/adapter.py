@@ -10,6 +10,9 @@
   implementation builds masks kvsqueeze cannot read, e.g. flash attention), undone on exit.
 * Attention and mask functions are registered together: the mask side is transformers' SDPA mask (boolean,
   sliding-window aware), so sliding layers get their sliding mask rather than a plain causal one.
+* The backend switch lives here: ``backend=`` names a kernel module (reference, C++ CPU, Triton) whose
+  ``attend(query, plan, mask, scaling)`` reads the layer's segment plan; the Triton quantize-and-pack is handed to
+  the block stores as their fast encoder.  Kernels never see a cache or a codec.
 * Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so a patched model's results
   never change for other caches.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,13 +34,63 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
-from .kernels.dispatch import check_backend, resolve
+from .kernels import reference
 from .layout import kv_layout
 from .resolve import resolve_cache_spec
 from .spec import CacheSpec
 
 ATTN_NAME = "kvsqueeze"
 _TAG = "_kvsqueeze_layer"
+
+
+# ---------------------------------------------------------------------------------------------- backends
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
+# name -> kernel module defining ``attend(query, plan, mask, scaling)`` and ``available()``; imported on first use,
+# so ``import kvsqueeze`` never needs Triton, a compiler or a GPU
+_KERNELS = {"torch": "kvsqueeze.kernels.reference", "cpu": "kvsqueeze.kernels.cpu",
+            "triton": "kvsqueeze.kernels.triton_decode"}
+
+
+def check_backend(name: str) -> str:
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; allowed: {', '.join(BACKEND_NAMES)}")
+    return name
+
+
+def _kernel(name: str):
+    try:
+        mod = importlib.import_module(_KERNELS[name])
+    except ImportError:
+        return None
+    return mod if mod.available() else None
+
+
+def resolve_backend(name: str, device: torch.device) -> Callable:
+    """The attend function of a backend; ``auto`` takes the fastest available for the device and falls back to the
+    reference, an explicit name that is unavailable here is an error."""
+    check_backend(name)
+    if name == "auto":
+        for cand in ("triton",) if device.type == "cuda" else ("cpu",) if device.type == "cpu" else ():
+            mod = _kernel(cand)
+            if mod is not None:
+                return mod.attend
+        return reference.attend
+    mod = _kernel(name)
+    if mod is None:
+        raise ValueError(f"attention backend {name!r} is not available here (module {_KERNELS[name]} missing or "
+                         f"no suitable device); allowed here: torch")
+    return mod.attend
+
+
+def fast_encoder(fmt, x: torch.Tensor):
+    """The Triton quantize-and-pack for CUDA tensors (``KVSQUEEZE_TRITON_ENCODE=0`` switches it off, ``=1`` also
+    uses it for CPU tensors under Triton's interpreter); None hands the tokens back to the torch codec."""
+    flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
+    if flag == "0" or not (x.is_cuda or flag == "1"):
+        return None
+    from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
+
+    return triton_pack.encode(fmt, x)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -51,8 +106,8 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
             if layer.attend is None:
-                layer.attend = resolve(layer.backend, query.device)
-            out = layer.attend(query, layer, attention_mask, scaling)
+                layer.attend = resolve_backend(layer.backend, query.device)
+            out = layer.attend(query, layer.plan(), attention_mask, scaling)
     except BaseException:
         if layer.step is not None:
             layer.step.abort()  # a failed step leaves every layer as it was before the step
@@ -165,6 +220,7 @@ class _HFLayer(CacheLayerMixin):
     def _new_kv(self) -> LayerKV:
         kv = LayerKV(self.spec, self.sliding_window)
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
+        kv.fast_encode = fast_encoder
         kv.step = self.step
         kv.end_of_step = self.end_of_step
         return kv
@@ -208,9 +264,6 @@ class _HFLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.kv.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
-        if self.kv.store is not None:
-            idx = torch.arange(self.kv.shape[0] // repeats).repeat_interleave(repeats)
-            self.kv.select_codec_batch(idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.kv.shape is None:
@@ -220,7 +273,6 @@ class _HFLayer(CacheLayerMixin):
             idx = idx.nonzero().flatten()
         dev = self.kv.store.device
         self.kv.map_batch(lambda t: t.index_select(0, idx.to(dev)))
-        self.kv.select_codec_batch(idx.to(dev))
 
     def offload(self):  # storage lives where the model runs; offloading is not implemented for packed blocks
         pass

@@ -65,7 +65,7 @@ def test_cache_stores_what_emulation_predicts(chunks):
         layer.commit()
         pos += n
     assert layer.n_history == SMALL_KIVI.quantized_count(150) == 128
-    ks, vs = zip(*[(sk.float(), sv.float()) for _, sk, sv, _ in layer.segments()])
+    ks, vs = zip(*[(sk.float(), sv.float()) for _, sk, sv, _ in layer.plan().decoded()])
     k_hat, v_hat = fake_quantize_cache(k, v, SMALL_KIVI)
     s, n = SMALL_KIVI.sinks, layer.n_history
     assert torch.equal(torch.cat(ks, 2)[:, :, s:s + n], k_hat[:, :, s:s + n])
@@ -81,9 +81,9 @@ def test_each_token_quantized_once(tiny_llama, monkeypatch):
     encoded = []
     orig = BlockStore.append
 
-    def spy(self, k, v):
+    def spy(self, k, v, base=0):
         encoded.append(k.shape[2])
-        return orig(self, k, v)
+        return orig(self, k, v, base)
 
     monkeypatch.setattr(BlockStore, "append", spy)
     cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
@@ -101,8 +101,8 @@ def test_attention_reads_history_one_block_at_a_time(tiny_llama, monkeypatch):
     for cls in (codecs.IntChannelCodec, codecs.IntTokenCodec):
         orig = cls.decode
 
-        def spy(self, parts, _orig=orig):
-            out = _orig(self, parts)
+        def spy(self, parts, start=0, shared=None, _orig=orig):
+            out = _orig(self, parts, start, shared)
             seen.append(out.shape[2])
             return out
 

@@ -10,17 +10,18 @@ import pytest
 import torch
 
 from kvsqueeze.cache.layer import LayerKV
-from kvsqueeze.kernels.dispatch import reference_attend_layer
+from kvsqueeze.kernels import reference
 from kvsqueeze.spec import CacheSpec, preset
 
 
 def filled_layer(spec: CacheSpec | str, batch: int = 1, kv_heads: int = 2, head_dim: int = 64, stored: int = 300,
                  new: int = 1, steps: int = 1, dtype: torch.dtype = torch.float32, sliding: int | None = None,
-                 seed: int = 0, device: str = "cpu") -> LayerKV:
+                 seed: int = 0, device: str = "cpu", fast_encode=None) -> LayerKV:
     """A layer holding ``stored`` committed tokens (a prompt then ``steps - 1`` smaller appends) and ``new``
-    pending tokens."""
+    pending tokens; ``fast_encode`` is handed to its block store as the adapter does."""
     g = torch.Generator().manual_seed(seed)
     layer = LayerKV(preset(spec), sliding_window=sliding)
+    layer.fast_encode = fast_encode
 
     def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.randn(batch, kv_heads, n, head_dim, generator=g) * 2 + 0.5
@@ -66,10 +67,10 @@ def require_triton_runtime() -> None:
 
 def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new: int,
                              mask: torch.Tensor | None = None, atol: float = 5e-5) -> None:
-    """``attend(q, layer, mask, 0.125)`` equals the block-by-block reference: same shape and dtype (the query's),
+    """``attend(q, layer.plan(), mask, 0.125)`` equals the block-by-block reference: same shape and dtype (the query's),
     values within ``atol``."""
     q = query_for(layer, q_heads, new)
-    ref = reference_attend_layer(q, layer, mask, 0.125)
-    got = attend(q, layer, mask, 0.125)
+    ref = reference.attend(q, layer.plan(), mask, 0.125)
+    got = attend(q, layer.plan(), mask, 0.125)
     assert got.shape == ref.shape and got.dtype == ref.dtype == q.dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=0)

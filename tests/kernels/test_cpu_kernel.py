@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.adapter import QuantizedCache
-from kvsqueeze.kernels import cpu
-from kvsqueeze.kernels.dispatch import reference_attend_layer, resolve
+from kvsqueeze.adapter import QuantizedCache, resolve_backend
+from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import assert_matches_reference, filled_layer, padding_mask, query_for
 
@@ -34,39 +33,39 @@ SPECS = [
 @pytest.mark.parametrize("new", [1, 3])
 def test_matches_reference_gqa_batch_padding(spec, new):
     layer = filled_layer(spec, batch=2, kv_heads=2, stored=300, new=new, steps=4)
-    assert_matches_reference(cpu.attend_layer, layer, 6, new)  # GQA 3:1, no mask
-    assert_matches_reference(cpu.attend_layer, layer, 6, new, padding_mask(layer, new, [0, 45]))
+    assert_matches_reference(cpu.attend, layer, 6, new)  # GQA 3:1, no mask
+    assert_matches_reference(cpu.attend, layer, 6, new, padding_mask(layer, new, [0, 45]))
 
 
 @pytest.mark.parametrize("stored", [1, 3, 31, 32, 33, 127, 128, 129, 160, 161, 257, 300])
 @pytest.mark.parametrize("spec", ["kivi-2-sink4", "int4", "k3c32-v3t32-w32-s5"])
 def test_window_sink_and_block_boundaries(spec, stored):
     layer = filled_layer(spec, batch=1, kv_heads=1, stored=stored, new=1, steps=min(stored, 3))
-    assert_matches_reference(cpu.attend_layer, layer, 4, 1)  # multi-query attention
+    assert_matches_reference(cpu.attend, layer, 4, 1)  # multi-query attention
 
 
 @pytest.mark.parametrize("head_dim", [32, 40, 128])
 @pytest.mark.parametrize("spec", ["full", "k4c32-v4t8-w32", "k8t8-v2t8", "fp8-e4m3", "k1c32-v1t8"])
 def test_head_dims(spec, head_dim):
     layer = filled_layer(spec, batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
-    assert_matches_reference(cpu.attend_layer, layer, 2, 1)  # no GQA
+    assert_matches_reference(cpu.attend, layer, 2, 1)  # no GQA
 
 
 def test_float_mask_and_fully_masked_rows():
     layer = filled_layer("kivi-4", batch=2, kv_heads=2, stored=400, new=2)
     bool_mask = padding_mask(layer, 2, [0, 10])
     bool_mask[1] = False  # sequence 1 sees nothing: its rows must come out 0
-    assert_matches_reference(cpu.attend_layer, layer, 4, 2, bool_mask)
+    assert_matches_reference(cpu.attend, layer, 4, 2, bool_mask)
     q = query_for(layer, 4, 2)
-    assert cpu.attend_layer(q, layer, bool_mask, 0.125)[1].abs().max() == 0
+    assert cpu.attend(q, layer.plan(), bool_mask, 0.125)[1].abs().max() == 0
     float_mask = torch.zeros(bool_mask.shape).masked_fill(~padding_mask(layer, 2, [0, 10]), float("-inf"))
     float_mask[0, ..., 5:9] += 0.7  # a real additive bias
-    assert_matches_reference(cpu.attend_layer, layer, 4, 2, float_mask)
+    assert_matches_reference(cpu.attend, layer, 4, 2, float_mask)
 
 
 def test_broadcast_mask_batch_dim():
     layer = filled_layer("int4", batch=3, kv_heads=1, stored=300, new=1)
-    assert_matches_reference(cpu.attend_layer, layer, 2, 1, padding_mask(layer, 1, [17]))
+    assert_matches_reference(cpu.attend, layer, 2, 1, padding_mask(layer, 1, [17]))
 
 
 @pytest.mark.parametrize("spec", ["full", "kivi-2", "k4c32-v4t32-w32"])
@@ -78,8 +77,8 @@ def test_sliding_window_layer_after_eviction(spec):
     qpos = layer.n_total
     cols = torch.arange(kv_len) + layer.first_visible
     mask = ((cols > qpos - window) & (cols <= qpos))[None, None, None, :]
-    assert_matches_reference(cpu.attend_layer, layer, 4, 1, mask)
-    assert_matches_reference(cpu.attend_layer, layer, 4, 1)
+    assert_matches_reference(cpu.attend, layer, 4, 1, mask)
+    assert_matches_reference(cpu.attend, layer, 4, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -87,8 +86,8 @@ def test_sliding_window_layer_after_eviction(spec):
 def test_half_precision_models(spec, dtype):
     layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=1, dtype=dtype)
     q = query_for(layer, 4, 1)
-    ref = reference_attend_layer(q, layer, None, 0.125)
-    got = cpu.attend_layer(q, layer, None, 0.125)
+    ref = reference.attend(q, layer.plan(), None, 0.125)
+    got = cpu.attend(q, layer.plan(), None, 0.125)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -96,17 +95,17 @@ def test_half_precision_models(spec, dtype):
 def test_long_steps_use_the_reference():
     layer = filled_layer("kivi-2", batch=1, kv_heads=2, stored=200, new=cpu.MAX_QUERIES + 4)
     q = query_for(layer, 4, cpu.MAX_QUERIES + 4)
-    assert torch.equal(cpu.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+    assert torch.equal(cpu.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
 
 
 def test_auto_backend_picks_cpu_and_fallback(monkeypatch):
-    assert resolve("auto", torch.device("cpu")) is cpu.attend_layer
+    assert resolve_backend("auto", torch.device("cpu")) is cpu.attend
     layer = filled_layer("kivi-4", batch=1, kv_heads=2, stored=200, new=1)
     q = query_for(layer, 4, 1)
     monkeypatch.setattr(cpu, "_ext", None)
     monkeypatch.setattr(cpu, "_failed", "simulated")
     assert not cpu.available()
-    assert torch.equal(cpu.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+    assert torch.equal(cpu.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.kernels.dispatch import reference_attend_layer
+from kvsqueeze.kernels import reference
 
 from ._helpers import (
     HAS_TRITON,
@@ -38,14 +38,14 @@ def td(monkeypatch):
 @pytest.mark.parametrize("spec,new", [("kivi-2-sink4", 1), ("k8t16-v4c16-w16", 2), ("kivi-4", 1), ("full", 1)])
 def test_fused_decode_matches_reference_interpreted(td, spec, new):
     layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=32, stored=90 if spec != "kivi-4" else 200, new=new, steps=2)
-    assert_matches_reference(td.attend_layer, layer, 2, new, padding_mask(layer, new, [0, 21]))
+    assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0, 21]))
 
 
 def test_unsupported_layouts_fall_back(td):
     layer = filled_layer("k3c32-v3t32-w32", batch=1, kv_heads=1, head_dim=32, stored=70, new=1)
     assert not td.supports(layer)
     q = query_for(layer, 1, 1)
-    assert torch.equal(td.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+    assert torch.equal(td.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
 
 
 @pytest.mark.gpu
@@ -55,4 +55,4 @@ def test_fused_decode_on_gpu(spec):
     from kvsqueeze.kernels import triton_decode
 
     layer = filled_layer(spec, batch=4, kv_heads=8, head_dim=128, stored=5000, new=1, steps=3, device="cuda")
-    assert_matches_reference(triton_decode.attend_layer, layer, 32, 1, padding_mask(layer, 1, [0, 100, 7, 4000]))
+    assert_matches_reference(triton_decode.attend, layer, 32, 1, padding_mask(layer, 1, [0, 100, 7, 4000]))

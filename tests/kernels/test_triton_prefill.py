@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvsqueeze.cache.layer import LayerKV
-from kvsqueeze.kernels.dispatch import reference_attend_layer
+from kvsqueeze.kernels import reference
 from kvsqueeze.spec import CacheSpec, preset
 
 from ._helpers import (
@@ -37,7 +37,7 @@ def td(monkeypatch):
 
 
 def _routed(td, monkeypatch) -> list:
-    """Record that attend_layer really went through the prefill kernel (not the reference)."""
+    """Record that attend really went through the prefill kernel (not the reference)."""
     from kvsqueeze.kernels import triton_prefill
 
     calls = []
@@ -59,7 +59,7 @@ def test_prefill_matches_reference(td, monkeypatch, spec, kv_heads, q_heads, sto
     layer = filled_layer(spec, batch=2, kv_heads=kv_heads, head_dim=32, stored=stored, new=new, steps=3)
     assert layer.n_history > 0 and len(layer.store.blocks) >= 1
     mask = padding_mask(layer, new, pads) if pads else None
-    assert_matches_reference(td.attend_layer, layer, q_heads, new, mask)
+    assert_matches_reference(td.attend, layer, q_heads, new, mask)
     assert calls == [1]
 
 
@@ -69,13 +69,13 @@ def test_prefill_float_mask_fp16(td):
                          dtype=torch.float16)
     bool_mask = padding_mask(layer, new, [0, 33])
     fmask = torch.zeros(bool_mask.shape, dtype=torch.float16).masked_fill(~bool_mask, torch.finfo(torch.float16).min)
-    assert_matches_reference(td.attend_layer, layer, 3, new, fmask, atol=2e-3)  # output rounded to fp16
+    assert_matches_reference(td.attend, layer, 3, new, fmask, atol=2e-3)  # output rounded to fp16
 
 
 def test_prefill_on_empty_history_and_multi_block(td):
     # a first prompt: nothing stored yet, causal among the new tokens only
     layer = filled_layer("k4c16-v4t16-w16", batch=1, kv_heads=1, head_dim=32, stored=0, new=24)
-    assert_matches_reference(td.attend_layer, layer, 2, 24)
+    assert_matches_reference(td.attend, layer, 2, 24)
     # several packed blocks (block_tokens 32), mask None: history fully visible, new tokens causal
     spec = preset("k2c16-v2t16-w16")
     layer = LayerKV(CacheSpec(key=spec.key, value=spec.value, window=16, block_tokens=32))
@@ -84,7 +84,7 @@ def test_prefill_on_empty_history_and_multi_block(td):
     layer.commit()
     layer.stage(torch.randn(1, 2, 18, 32, generator=g), torch.randn(1, 2, 18, 32, generator=g))
     assert len(layer.store.blocks) >= 3
-    assert_matches_reference(td.attend_layer, layer, 4, 18)
+    assert_matches_reference(td.attend, layer, 4, 18)
 
 
 def test_prefill_sliding_layer_after_eviction(td):
@@ -92,14 +92,14 @@ def test_prefill_sliding_layer_after_eviction(td):
     layer = filled_layer("k2c16-v2t16-w16", batch=1, kv_heads=1, head_dim=16, stored=600, new=new, steps=2,
                          sliding=300)
     assert layer.first_visible > 0
-    assert_matches_reference(td.attend_layer, layer, 2, new, padding_mask(layer, new, [0]))
+    assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0]))
 
 
 def test_small_head_dim_falls_back(td, monkeypatch):
     calls = _routed(td, monkeypatch)
     layer = filled_layer("k4c16-v4t8-w16", batch=1, kv_heads=1, head_dim=8, stored=40, new=20)
     q = query_for(layer, 1, 20)
-    assert torch.equal(td.attend_layer(q, layer, None, 0.125), reference_attend_layer(q, layer, None, 0.125))
+    assert torch.equal(td.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
     assert calls == []
 
 
@@ -112,4 +112,4 @@ def test_prefill_on_gpu(spec, monkeypatch):
     monkeypatch.setattr(triton_prefill, "BLOCK_M", 32)
     monkeypatch.setattr(triton_prefill, "BLOCK_N", 32)
     layer = filled_layer(spec, batch=2, kv_heads=8, head_dim=128, stored=3000, new=300, steps=2, device="cuda")
-    assert_matches_reference(triton_decode.attend_layer, layer, 32, 300, padding_mask(layer, 300, [0, 1000]), atol=1e-4)
+    assert_matches_reference(triton_decode.attend, layer, 32, 300, padding_mask(layer, 300, [0, 1000]), atol=1e-4)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvsqueeze.adapter import QuantizedCache
-from kvsqueeze.cache.codecs import make_codec
 from kvsqueeze.cache.codecs_transform import TransformedCodec
+from kvsqueeze.cache.factory import make_codec
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, load_artifact
 from kvsqueeze.calibrate.collect import CalibrationData, rope_tables
 from kvsqueeze.calibrate.fold import fold_transforms

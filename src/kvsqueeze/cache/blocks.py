@@ -2,17 +2,24 @@
 
 Storage grows by whole preallocated blocks of ``block_tokens`` tokens; nothing already stored is ever copied,
 re-encoded or concatenated when tokens are added.  Reading goes block by block, which bounds the memory of a
-decoded chunk to one block.
+decoded chunk to one block.  The store knows token indices, not positions: callers pass the absolute position of
+store index 0 (``base``) to whatever encodes or decodes.  It owns each side's shared tensors (fp8 per-head /
+per-tensor scales), which its stateless codecs fill on the first encode.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from ..quant.format import StorageFormat
 from .codecs import Codec
+from .plan import STORED, Segment
+
+# an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline
+FastEncoder = Callable[[StorageFormat, torch.Tensor], "dict[str, torch.Tensor] | None"]
 
 
 @dataclass
@@ -26,6 +33,8 @@ class BlockStore:
     def __init__(self, key_codec: Codec, value_codec: Codec, batch: int, heads: int, block_tokens: int,
                  device: torch.device):
         self.codecs = {"k": key_codec, "v": value_codec}
+        self.shared: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
+        self.fast_encode: FastEncoder | None = None  # set by the adapter where a faster encoder exists
         self.batch, self.heads, self.block_tokens, self.device = batch, heads, block_tokens, device
         self.blocks: list[_Block] = []
         self.end = 0  # tokens ever appended (minus truncations)
@@ -47,13 +56,30 @@ class BlockStore:
             parts[key] = torch.empty((self.batch, self.heads, rows, *lay.tail), dtype=lay.dtype, device=self.device)
         return _Block(start, parts)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode tokens [B,H,T,D] once and write them after the last stored token."""
+    def _encode(self, side: str, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        codec = self.codecs[side]
+        if self.fast_encode is not None and codec.fmt.plain:
+            parts = self.fast_encode(codec.fmt, x)
+            if parts is not None:
+                return parts
+        return codec.encode(x, start, self.shared[side])
+
+    def _decode(self, side: str, parts: dict[str, torch.Tensor], start: int) -> torch.Tensor:
+        return self.codecs[side].decode(parts, start, self.shared[side])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, base: int = 0) -> None:
+        """Encode tokens [B,H,T,D] once and write them after the last stored token (absolute position of store
+        index 0: ``base``).  A failure leaves the store unchanged."""
         t = k.shape[2]
         if t == 0:
             return
-        encoded = {f"k.{n}": p for n, p in self.codecs["k"].encode(k).items()}
-        encoded.update({f"v.{n}": p for n, p in self.codecs["v"].encode(v).items()})
+        shared_before = {side: dict(d) for side, d in self.shared.items()}
+        try:
+            encoded = {f"k.{n}": p for n, p in self._encode("k", k, base + self.end).items()}
+            encoded.update({f"v.{n}": p for n, p in self._encode("v", v, base + self.end).items()})
+        except BaseException:
+            self.shared = shared_before  # a scale fixed by a failed encode must not outlive it
+            raise
         layouts = dict(self._layouts())
         # allocate every block needed before writing anything, so a failure leaves the store unchanged
         new_blocks, pos, last = [], self.end, (self.blocks[-1] if self.blocks else None)
@@ -77,23 +103,45 @@ class BlockStore:
                 break
         self.end += t
 
-    def chunks(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _sides(self, blk: _Block, valid: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """A block's parts split by side, as stored or (``valid``) cut to the tokens in use."""
+        sides: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
+        layouts = dict(self._layouts()) if valid else {}
+        for key, t in blk.parts.items():
+            side, name = key.split(".", 1)
+            sides[side][name] = t[:, :, : blk.used // layouts[key].tokens_per_row] if valid else t
+        return sides["k"], sides["v"]
+
+    def _decoder(self, blk: _Block, base: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        def decode() -> tuple[torch.Tensor, torch.Tensor]:
+            kp, vp = self._sides(blk, valid=True)
+            pos = base + blk.start
+            return self._decode("k", kp, pos), self._decode("v", vp, pos)
+
+        return decode
+
+    def segments(self, base: int) -> list[Segment]:
+        """One stored segment per block in use, with its parts as stored and a decoder (absolute position of store
+        index 0: ``base``)."""
+        out = []
+        for blk in self.blocks:
+            if blk.used:
+                kp, vp = self._sides(blk, valid=False)
+                out.append(Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
+                                   decode=self._decoder(blk, base)))
+        return out
+
+    def chunks(self, base: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (first token index, keys, values) per block, decoded to float32; one block alive at a time."""
         for blk in self.blocks:
-            if blk.used == 0:
-                continue
-            k_parts, v_parts = {}, {}
-            layouts = dict(self._layouts())
-            for key, t in blk.parts.items():
-                side, name = key.split(".", 1)
-                r = layouts[key].tokens_per_row
-                (k_parts if side == "k" else v_parts)[name] = t[:, :, : blk.used // r]
-            yield blk.start, self.codecs["k"].decode(k_parts), self.codecs["v"].decode(v_parts)
+            if blk.used:
+                k, v = self._decoder(blk, base)()
+                yield blk.start, k, v
 
-    def decode_range(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_range(self, a: int, b: int, base: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Decoded tokens [a, b) (store indices); used only by crop."""
         ks, vs = [], []
-        for start, k, v in self.chunks():
+        for start, k, v in self.chunks(base):
             lo, hi = max(a, start), min(b, start + k.shape[2])
             if lo < hi:
                 ks.append(k[:, :, lo - start:hi - start])
@@ -119,9 +167,14 @@ class BlockStore:
         self.begin = self.blocks[0].start if self.blocks else self.end
 
     def map_batch(self, fn) -> None:
-        """Apply ``fn`` (index_select / repeat_interleave on dim 0) to every stored tensor."""
+        """Apply ``fn`` (index_select / repeat_interleave on dim 0) to every stored tensor, shared ones included
+        (fp8 per-head and per-tensor scales have one row per sequence)."""
         for blk in self.blocks:
             blk.parts = {k: fn(t) for k, t in blk.parts.items()}
+        for side in self.shared.values():
+            for name, t in side.items():
+                if t.dim() == 4 and t.shape[0] == self.batch:
+                    side[name] = fn(t)
         if self.blocks:
             self.batch = next(iter(self.blocks[0].parts.values())).shape[0]
 
@@ -135,8 +188,8 @@ class BlockStore:
                 row_bytes = t[0, 0, 0].numel() * t.element_size() if t.shape[2] else 0
                 out[lay.kind] += self.batch * self.heads * (blk.used // lay.tokens_per_row) * row_bytes
                 out["allocated"] += t.numel() * t.element_size()
-        for codec in self.codecs.values():
-            for t in codec.state_tensors().values():
+        for side, codec in self.codecs.items():
+            for t in (*codec.constants().values(), *self.shared[side].values()):
                 out["params"] += t.numel() * t.element_size()
                 out["allocated"] += t.numel() * t.element_size()
         return out

@@ -1,15 +1,14 @@
-"""Codecs: how a run of tokens of keys or values [B, H, T, D] becomes stored tensors, and back.
+"""Codecs: stateless adapters from a storage format to tensors: a run of tokens [B, H, T, D] <-> stored parts.
 
-Every stored tensor ("part") keeps the token axis at dim 2, with ``tokens_per_row`` tokens per row along it
-(1 for per-token data, G for per-channel parameters of G-token groups), so block storage can place any part
-at a token offset without knowing what it holds.  Parts are tagged as codes, params or fp (full precision) for
-the byte accounting.
+A codec is built from a :class:`~kvsqueeze.quant.format.StorageFormat` (what is stored) and holds no state of a
+cache: ``encode(x, start, shared)`` / ``decode(parts, start, shared)`` take the absolute position of the first
+token (positional codecs such as pre-RoPE keys need it) and the side's shared tensors (fp8 per-head / per-tensor
+scales, owned by the block store and filled by the first encode).  Every stored part keeps the token axis at dim
+2 with ``tokens_per_row`` tokens per row (see :class:`~kvsqueeze.quant.format.PartLayout`), so block storage can
+place any part at a token offset without knowing what it holds.
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 
@@ -20,43 +19,37 @@ from ..quant import (
     fp8_dequantize,
     fp8_quantize,
     pack_bits,
-    packed_nbytes,
-    param_torch_dtype,
     quantize_groups,
     unpack_bits,
 )
+from ..quant.format import PartLayout, StorageFormat, storage_format
 from ..spec import QuantSpec
 
-
-@dataclass(frozen=True)
-class PartLayout:
-    tail: tuple[int, ...]  # shape after [B, H, rows]
-    dtype: torch.dtype
-    tokens_per_row: int
-    kind: str  # "codes" | "params" | "fp"
+Shared = dict[str, torch.Tensor]
 
 
 class Codec:
-    """Base: encode [B,H,T,D] -> dict of parts; decode parts -> [B,H,T,D] in float32."""
+    """Base: ``encode`` [B,H,T,D] -> dict of parts; ``decode`` parts -> [B,H,T,D] in float32."""
 
     spec: QuantSpec
-    head_dim: int
+    fmt: StorageFormat
+
+    @property
+    def head_dim(self) -> int:
+        return self.fmt.head_dim
 
     def layout(self) -> dict[str, PartLayout]:
+        return self.fmt.parts()
+
+    def encode(self, x: torch.Tensor, start: int = 0, shared: Shared | None = None) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def decode(self, parts: dict[str, torch.Tensor], start: int = 0, shared: Shared | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    # Codecs with state shared by all tokens (fixed fp8 scales) override these.
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def constants(self) -> dict[str, torch.Tensor]:
+        """Calibrated tensors the stored codes depend on (counted as parameters in the cache's bytes)."""
         return {}
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        pass
 
 
 class FullCodec(Codec):
@@ -64,15 +57,12 @@ class FullCodec(Codec):
 
     def __init__(self, head_dim: int, dtype: torch.dtype):
         self.spec = QuantSpec(fmt="none")
-        self.head_dim, self.dtype = head_dim, dtype
+        self.fmt = storage_format(self.spec, head_dim, dtype)
 
-    def layout(self):
-        return {"x": PartLayout((self.head_dim,), self.dtype, 1, "fp")}
+    def encode(self, x, start=0, shared=None):
+        return {"x": x.to(self.fmt.fp_dtype)}
 
-    def encode(self, x):
-        return {"x": x.to(self.dtype)}
-
-    def decode(self, parts):
+    def decode(self, parts, start=0, shared=None):
         return parts["x"]
 
 
@@ -84,45 +74,21 @@ def _int_parts(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     return out
 
 
-def _triton_encode(codec: Codec, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The Triton quantize-and-pack of ``x`` (same parts, bit for bit) for CUDA tensors, or None to use torch.
-
-    ``KVSQUEEZE_TRITON_ENCODE=0`` switches it off; ``=1`` also uses it for CPU tensors (Triton's interpreter)."""
-    flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
-    if flag == "0" or not (x.is_cuda or flag == "1"):
-        return None
-    from ..kernels.triton_pack import encode  # lazy: importing kvsqueeze never imports Triton
-
-    return encode(codec, x)
-
-
 class IntTokenCodec(Codec):
     """Integer codes with parameters per token, one scale (and zero) per ``group`` channels."""
 
     def __init__(self, spec: QuantSpec, head_dim: int):
-        self.spec, self.head_dim = spec, head_dim
-        self.group = spec.channel_group(head_dim)
-        self.pdtype = param_torch_dtype(spec.param_dtype)
+        self.spec, self.fmt = spec, storage_format(spec, head_dim, torch.float32)
+        self.group = self.fmt.group
 
-    def layout(self):
-        d, g, s = self.head_dim, self.group, self.spec
-        out = {"codes": PartLayout((packed_nbytes(d, s.bits),), torch.uint8, 1, "codes"),
-               "scale": PartLayout((d // g,), self.pdtype, 1, "params")}
-        if not s.symmetric:
-            out["zero"] = PartLayout((d // g,), self.pdtype, 1, "params")
-        return out
-
-    def encode(self, x):
-        fast = _triton_encode(self, x)
-        if fast is not None:
-            return fast
+    def encode(self, x, start=0, shared=None):
         b, h, t, d = x.shape
         s = self.spec
         codes, scale, zero = quantize_groups(x.float().reshape(b, h, t, d // self.group, self.group), s.bits,
                                              s.symmetric, s.clip, s.param_dtype)
         return _int_parts(codes.reshape(b, h, t, d), scale, zero, s.bits)
 
-    def decode(self, parts):
+    def decode(self, parts, start=0, shared=None):
         codes = parts["codes"]
         b, h, t, _ = codes.shape
         d, g, s = self.head_dim, self.group, self.spec
@@ -137,22 +103,10 @@ class IntChannelCodec(Codec):
     """Integer codes with parameters per channel over groups of ``group`` tokens (KIVI's keys)."""
 
     def __init__(self, spec: QuantSpec, head_dim: int):
-        self.spec, self.head_dim = spec, head_dim
-        self.group = spec.group
-        self.pdtype = param_torch_dtype(spec.param_dtype)
+        self.spec, self.fmt = spec, storage_format(spec, head_dim, torch.float32)
+        self.group = self.fmt.group
 
-    def layout(self):
-        d, g, s = self.head_dim, self.group, self.spec
-        out = {"codes": PartLayout((packed_nbytes(d, s.bits),), torch.uint8, 1, "codes"),
-               "scale": PartLayout((d,), self.pdtype, g, "params")}
-        if not s.symmetric:
-            out["zero"] = PartLayout((d,), self.pdtype, g, "params")
-        return out
-
-    def encode(self, x):
-        fast = _triton_encode(self, x)
-        if fast is not None:
-            return fast
+    def encode(self, x, start=0, shared=None):
         b, h, t, d = x.shape
         g, s = self.group, self.spec
         if t % g:
@@ -161,7 +115,7 @@ class IntChannelCodec(Codec):
         codes, scale, zero = quantize_groups(grouped, s.bits, s.symmetric, s.clip, s.param_dtype)
         return _int_parts(codes.transpose(-1, -2).reshape(b, h, t, d), scale, zero, s.bits)
 
-    def decode(self, parts):
+    def decode(self, parts, start=0, shared=None):
         codes = parts["codes"]
         b, h, t, _ = codes.shape
         d, g, s = self.head_dim, self.group, self.spec
@@ -173,51 +127,27 @@ class IntChannelCodec(Codec):
 
 
 class Fp8Codec(Codec):
-    """Scaled float8 codes.  Per-token scales are stored with each token; per-head and per-tensor scales are
-    fixed by the first tokens quantized (the prompt) and reused afterwards, saturating at the fp8 range, so
-    history is never re-quantized when a larger value arrives later."""
+    """Scaled float8 codes.  Per-token scales are stored with each token; a per-head or per-tensor scale is
+    fixed by the first tokens quantized (the prompt) and kept in the side's shared tensors ("scale"), saturating
+    at the fp8 range afterwards, so history is never re-quantized when a larger value arrives later."""
 
     def __init__(self, spec: QuantSpec, head_dim: int):
-        self.spec, self.head_dim = spec, head_dim
-        self.pdtype = param_torch_dtype(spec.param_dtype)
-        self.fixed_scale: torch.Tensor | None = None
+        self.spec, self.fmt = spec, storage_format(spec, head_dim, torch.float32)
 
-    def layout(self):
-        out = {"codes": PartLayout((self.head_dim,), torch.uint8, 1, "codes")}
-        if self.spec.fp8_scale == "token":
-            out["scale"] = PartLayout((1,), self.pdtype, 1, "params")
-        return out
-
-    def encode(self, x):
+    def encode(self, x, start=0, shared=None):
         s = self.spec
         if s.fp8_scale == "token":
             codes, scale = fp8_quantize(x.float(), s.fmt, (-1,), s.param_dtype)
             return {"codes": codes, "scale": scale}
-        if self.fixed_scale is None:
+        if shared is None:
+            raise ValueError("fp8 with a per-head or per-tensor scale needs the store's shared tensors")
+        if "scale" not in shared:
             dims = (-2, -1) if s.fp8_scale == "head" else (1, 2, 3)
-            _, self.fixed_scale = fp8_quantize(x.float(), s.fmt, dims, s.param_dtype)
-        scaled = (x.float() / self.fixed_scale.float()).clamp(-FP8_MAX[s.fmt], FP8_MAX[s.fmt])
+            _, shared["scale"] = fp8_quantize(x.float(), s.fmt, dims, s.param_dtype)
+        fixed = shared["scale"]
+        scaled = (x.float() / fixed.float()).clamp(-FP8_MAX[s.fmt], FP8_MAX[s.fmt])
         return {"codes": scaled.to(FP8_DTYPES[s.fmt]).view(torch.uint8)}
 
-    def decode(self, parts):
-        scale = parts["scale"] if self.spec.fp8_scale == "token" else self.fixed_scale
+    def decode(self, parts, start=0, shared=None):
+        scale = parts["scale"] if self.spec.fp8_scale == "token" else shared["scale"]
         return fp8_dequantize(parts["codes"], scale, self.spec.fmt)
-
-    def state_tensors(self):
-        return {} if self.fixed_scale is None else {"fixed_scale": self.fixed_scale}
-
-    def select_batch(self, index):
-        if self.fixed_scale is not None and self.spec.fp8_scale == "head":
-            self.fixed_scale = self.fixed_scale.index_select(0, index)
-
-
-def make_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
-    if spec.extras is not None or spec.fmt == "ternary":  # calibrated methods (kvsqueeze.calibrate artifacts)
-        from .codecs_calibrated import make_calibrated_codec
-
-        return make_calibrated_codec(spec, head_dim, dtype)
-    if spec.fmt == "none":
-        return FullCodec(head_dim, dtype)
-    if spec.fmt == "int":
-        return IntChannelCodec(spec, head_dim) if spec.axis == "channel" else IntTokenCodec(spec, head_dim)
-    return Fp8Codec(spec, head_dim)

@@ -10,6 +10,8 @@ what the folded model (``W_k -> W_k A``, ``W_q -> W_q A^-T``, ``W_v -> W_v A``, 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..quant.extras import TransformExtras
@@ -21,7 +23,8 @@ class TransformedCodec(Codec):
     """Inner codec applied to ``x @ A``; decode multiplies by ``A^-1``.  Same parts and bytes as the inner codec."""
 
     def __init__(self, spec: QuantSpec, head_dim: int, inner: Codec):
-        self.spec, self.head_dim, self.inner = spec, head_dim, inner
+        self.spec, self.inner = spec, inner
+        self.fmt = dataclasses.replace(inner.fmt, transformed=True)
         ex: TransformExtras = spec.extras
         self.matrix, self.inv = ex.matrix, ex.inverse
 
@@ -33,14 +36,11 @@ class TransformedCodec(Codec):
             raise ValueError(f"transform has {m.shape[0]} heads, the tensor has {x.shape[1]}")
         return torch.matmul(x.float(), m.to(x.device)[None])  # [B,H,T,D] @ [1,H,D,D]
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.inner.encode(self._apply(x, self.matrix).to(x.dtype))
+    def encode(self, x, start=0, shared=None):
+        return self.inner.encode(self._apply(x, self.matrix).to(x.dtype), start, shared)
 
-    def decode(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._apply(self.inner.decode(parts), self.inv)
+    def decode(self, parts, start=0, shared=None):
+        return self._apply(self.inner.decode(parts, start, shared), self.inv)
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.inner.state_tensors()
-
-    def select_batch(self, index: torch.Tensor) -> None:
-        self.inner.select_batch(index)
+    def constants(self) -> dict[str, torch.Tensor]:
+        return self.inner.constants()

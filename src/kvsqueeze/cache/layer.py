@@ -8,13 +8,14 @@ quantizing each exactly once.  Nothing here imports transformers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from ..spec import CacheSpec
-from .blocks import BlockStore
-from .codecs import make_codec
+from .blocks import BlockStore, FastEncoder
+from .factory import make_codec
+from .plan import EXACT, Segment, SegmentPlan
 
 
 class FpWindow:
@@ -124,6 +125,7 @@ class LayerKV:
         self.dtype: torch.dtype | None = None
         self.backend = "torch"  # attention backend name and its resolved function (set by the adapter)
         self.attend = None
+        self.fast_encode: FastEncoder | None = None  # handed to the block store (set by the adapter)
         self.step: StepTracker | None = None  # shared by the layers of one cache: commits whole steps
 
     # ------------------------------------------------------------------ sizes
@@ -189,6 +191,7 @@ class LayerKV:
         self.shape, self.dtype = (b, h, d), k.dtype
         kc, vc = make_codec(self.spec.key, d, k.dtype), make_codec(self.spec.value, d, k.dtype)
         self.store = BlockStore(kc, vc, b, h, self.spec.block_tokens, k.device)
+        self.store.fast_encode = self.fast_encode
 
     def commit(self) -> None:
         """Move the pending tokens in: first sinks, then the window; tokens pushed out of the window are
@@ -213,8 +216,7 @@ class LayerKV:
                 wk, wv = self.window.view()
                 fk = torch.cat([wk[:, :, :from_w], fk], dim=2)
                 fv = torch.cat([wv[:, :, :from_w], fv], dim=2)
-            self._position_codecs(encode=self.n_sinks + self.store.end)
-            self.store.append(fk, fv)
+            self.store.append(fk, fv, base=self.n_sinks)
             self.window.drop_front(from_w)
             k, v = k[:, :, flush - from_w:], v[:, :, flush - from_w:]
         self.window.append(k, v)
@@ -225,33 +227,25 @@ class LayerKV:
             self.store.evict_before(self.n_total - self.sliding_window + 1 - self.n_sinks)
 
     # ------------------------------------------------------------------ reading
-    def segments(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, bool]]:
-        """Yield (absolute start position, keys, values, is_new) for every stored segment in token order, then the
-        pending tokens.  Quantized history is decoded one block at a time."""
-        if self.sink_k is not None:
-            yield 0, self.sink_k, self.sink_v, False
-        if self.store is not None:
-            self._position_codecs(decode=self._history_position())
-            for start, k, v in self.store.chunks():
-                yield self.n_sinks + start, k, v, False
+    def plan(self) -> SegmentPlan:
+        """What attention reads this step, in token order: sinks, stored blocks (parts as stored, decoded only on
+        demand), the window, then the pending tokens."""
+        segs: list[Segment] = []
+        if self.sink_k is not None and self.sink_k.shape[2]:
+            segs.append(Segment(EXACT, 0, self.sink_k.shape[2], k=self.sink_k, v=self.sink_v))
+        store = self.store
+        if store is not None:
+            segs.extend(store.segments(self.n_sinks))
             if self.window.length:
                 wk, wv = self.window.view()
-                yield self.n_sinks + self.store.end, wk, wv, False
+                segs.append(Segment(EXACT, self.n_sinks + store.end, self.window.length, k=wk, v=wv))
         if self.pending is not None:
-            yield self.n_total, self.pending[0], self.pending[1], True
-
-    def _history_position(self) -> int:
-        """Absolute position of the first token of the first stored history block."""
-        return self.n_sinks + (self.store.blocks[0].start if self.store.blocks else self.store.begin)
-
-    def _position_codecs(self, encode: int | None = None, decode: int | None = None) -> None:
-        """Positional codecs (pre-RoPE keys) need the absolute position of the tokens they encode and decode;
-        the block store walks blocks in order, so setting the first position is enough."""
-        for codec in self.store.codecs.values():
-            if getattr(codec, "positional", False):
-                from .codecs_calibrated import set_positions
-
-                set_positions(codec, encode, decode)
+            k, v = self.pending
+            segs.append(Segment(EXACT, self.n_total, k.shape[2], is_new=True, k=k, v=v))
+        fmts = (None, None) if store is None else (store.codecs["k"].fmt, store.codecs["v"].fmt)
+        shared = ({}, {}) if store is None else (store.shared["k"], store.shared["v"])
+        return SegmentPlan(tuple(segs), fmts[0], fmts[1], self.first_visible, self.n_total,
+                           self.spec.flush_tokens, shared[0], shared[1])
 
     # ------------------------------------------------------------------ editing
     def crop(self, new_length: int) -> None:
@@ -272,8 +266,7 @@ class LayerKV:
             keep = new_length - s
             f = self.spec.flush_tokens
             aligned = keep // f * f
-            self._position_codecs(decode=self._history_position())
-            leftover = self.store.decode_range(aligned, keep) if keep > aligned else None
+            leftover = self.store.decode_range(aligned, keep, base=s) if keep > aligned else None
             self.store.truncate(aligned)
             self.window.truncate(0)
             if leftover is not None:
@@ -299,10 +292,6 @@ class LayerKV:
             b = self.shape[0] if self.sink_k is None else self.sink_k.shape[0]
         self.shape = (b, self.shape[1], self.shape[2])
         self.store.batch = b
-
-    def select_codec_batch(self, index: torch.Tensor) -> None:
-        for codec in self.store.codecs.values():
-            codec.select_batch(index)
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> dict[str, int]:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..cache.emulate import quantized_mask
+
 DEFAULT_CLIP_GRID = (1.0, 0.975, 0.95, 0.925, 0.9, 0.875, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 CLIP_MODES = ("none", "layer", "head", "group")
 
@@ -24,12 +26,14 @@ def query_positions(length: int, n: int = 128, start: int = 16) -> torch.Tensor:
 
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scaling: float,
                   k_hat: torch.Tensor | None = None, v_hat: torch.Tensor | None = None, window: int = 0,
-                  sinks: int = 0, q_selected: bool = False) -> torch.Tensor:
+                  sinks: int = 0, q_selected: bool = False, flush: int = 1) -> torch.Tensor:
     """Causal attention of the queries at ``qpos``: q [N, Hq, L, D], k/v [N, Hkv, L, D] -> [N, Hkv, rep*|qpos|, D]
     (query heads grouped by KV head).  ``q_selected``: q is already [N, Hq, |qpos|, D] (the queries at qpos).
 
-    With ``k_hat``/``v_hat`` (the quantized K/V), each query sees what the cache would give it: the first
-    ``sinks`` tokens and its ``window`` most recent tokens (itself included) exact, older tokens quantized."""
+    With ``k_hat``/``v_hat`` (the quantized K/V), each query sees exactly what the cache would give it when
+    decoding position p (p tokens stored): the cache's own split (:func:`kvsqueeze.cache.emulate.quantized_mask`,
+    with ``window``, ``sinks`` and the cache's ``flush`` granularity) - sinks, the window and its own token exact,
+    older tokens quantized."""
     n, hq, _, d = q.shape
     length, hkv = k.shape[2], k.shape[1]
     rep = hq // hkv
@@ -39,7 +43,7 @@ def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch
     s = torch.matmul(qs, k.float().transpose(-1, -2)) * scaling
     exact = None
     if k_hat is not None or v_hat is not None:
-        exact = ((kpos[None, :] < sinks) | (kpos[None, :] > qpos[:, None] - window)).repeat(rep, 1)
+        exact = (~quantized_mask(window, sinks, flush, qpos, length)).repeat(rep, 1)
         if k_hat is not None:
             s = torch.where(exact, s, torch.matmul(qs, k_hat.float().transpose(-1, -2)) * scaling)
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)

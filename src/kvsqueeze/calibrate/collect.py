@@ -125,9 +125,8 @@ def collect(model: Any, ids: torch.Tensor, progress: bool = True) -> Activations
     """Run the model over the calibration samples and keep, per layer and KV head, queries, keys before and after
     RoPE, and values.  Attention itself is transformers' SDPA (the outputs are the model's own)."""
     from tqdm.auto import tqdm
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from ..adapter import attention_override
+    from ..adapter import attention_override, sdpa_attention_forward
     from ..layout import kv_layout
 
     layout = kv_layout(model.config)

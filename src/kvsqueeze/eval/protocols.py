@@ -129,13 +129,11 @@ def window_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
     """One layer of the window protocol: [B, Hq, T, D] out; ``committed[t]`` = tokens stored when query t ran."""
     if not spec.quantized:
         return _dense(query, key, value, mask, scaling)
-    from ..cache.emulate import fake_quantize_cache
+    from ..cache.emulate import fake_quantize_cache, quantized_mask
 
     k_hat, v_hat = fake_quantize_cache(key, value, spec)
-    n = key.shape[2]
-    pos = torch.arange(n, device=key.device)
-    q_end = spec.sinks + torch.tensor([spec.quantized_count(c) for c in committed], device=key.device)
-    quant = (pos[None, :] >= spec.sinks) & (pos[None, :] < q_end[:, None])  # [T, T]: query t sees j quantized
+    quant = quantized_mask(spec.window, spec.sinks, spec.flush_tokens, torch.tensor(committed, device=key.device),
+                           key.shape[2])  # [T, T]: query t sees key j quantized
 
     def sources(t0: int, t1: int) -> list[Source]:
         base, qm = _allowed(mask, t0, t1, key.device), quant[t0:t1, :t1]

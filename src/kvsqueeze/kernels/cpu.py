@@ -22,13 +22,15 @@ import os
 import platform
 import threading
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from ..cache.codecs import Codec, Fp8Codec, FullCodec, IntChannelCodec, IntTokenCodec
-from .dispatch import reference_attend_layer
+from ..cache.plan import EXACT, SegmentPlan
+from ..quant.format import StorageFormat
+from . import reference
 
 MAX_QUERIES = 16  # new tokens per step served by the fused kernel; more go to the reference
 CHUNK_TOKENS = 256  # tokens per parallel work item
@@ -109,93 +111,77 @@ def available() -> bool:
     return load_extension() is not None
 
 
-def supports(layer) -> bool:
-    """Exact codec types only: calibrated codecs (permuted channels, pre-RoPE keys, ternary) use the reference."""
-    return layer.store is None or all(type(c) in _KNOWN for c in layer.store.codecs.values())
+def _kernel_ready(fmt: StorageFormat | None) -> bool:
+    return fmt is None or (fmt.plain and fmt.kind in ("fp", "int", "fp8"))
 
 
-def _fmt(codec: Codec) -> list[int]:
-    """The six ints describing a codec to the kernel: kind, bits, group, symmetric, fp8 variant, fixed scale."""
-    if type(codec) is FullCodec:
+def supports(plan: SegmentPlan) -> bool:
+    """Plain formats only: calibrated ones (permuted channels, pre-RoPE keys, transforms, ternary) use the
+    reference."""
+    return _kernel_ready(plan.key_format) and _kernel_ready(plan.value_format)
+
+
+def _fmt(fmt: StorageFormat) -> list[int]:
+    """The six ints describing a format to the kernel: kind, bits, group, symmetric, fp8 variant, fixed scale."""
+    if fmt.kind == "fp":
         return [_FP, 16, 1, 0, 0, 0]
-    s = codec.spec
-    if type(codec) is IntTokenCodec:
-        return [_INT_TOKEN, s.bits, codec.group, int(s.symmetric), 0, 0]
-    if type(codec) is IntChannelCodec:
-        return [_INT_CHANNEL, s.bits, codec.group, int(s.symmetric), 0, 0]
-    if type(codec) is Fp8Codec:
-        return [_FP8, 8, 1, 0, int(s.fmt == "fp8-e5m2"), int(s.fp8_scale != "token")]
-    raise TypeError(f"no fused kernel for codec {type(codec).__name__}")
+    if fmt.kind == "int":
+        return [_INT_TOKEN if fmt.axis == "token" else _INT_CHANNEL, fmt.bits, fmt.group, int(fmt.symmetric), 0, 0]
+    return [_FP8, 8, 1, 0, int(fmt.fp8_variant == "e5m2"), int(fmt.fixed_scale)]
 
 
 _EMPTY = torch.empty(0)
-_KNOWN = (FullCodec, IntTokenCodec, IntChannelCodec, Fp8Codec)
 
 
-def _side_parts(codec: Codec, parts: dict[str, torch.Tensor], side: str) -> list[torch.Tensor]:
-    if isinstance(codec, FullCodec):
-        return [parts[f"{side}.x"], _EMPTY, _EMPTY]
-    if isinstance(codec, Fp8Codec) and codec.spec.fp8_scale != "token":
-        return [parts[f"{side}.codes"], codec.fixed_scale, _EMPTY]
-    return [parts[f"{side}.codes"], parts[f"{side}.scale"], parts.get(f"{side}.zero", _EMPTY)]
+def _side_parts(fmt: StorageFormat, parts: Mapping[str, torch.Tensor], shared: Mapping[str, torch.Tensor]
+                ) -> list[torch.Tensor]:
+    if fmt.kind == "fp":
+        return [parts["x"], _EMPTY, _EMPTY]
+    if fmt.fixed_scale:
+        return [parts["codes"], shared["scale"], _EMPTY]
+    return [parts["codes"], parts["scale"], parts.get("zero", _EMPTY)]
 
 
-def packed_segments(layer) -> tuple[list[torch.Tensor], list[int], list[int], list[int], list[int], list[int]]:
-    """Flatten a layer's stored state into the kernel's segment lists (no copies: tensors as stored)."""
+def packed_segments(plan: SegmentPlan) -> tuple[list[torch.Tensor], list[int], list[int], list[int], list[int],
+                                                list[int]]:
+    """Flatten a plan into the kernel's segment lists (no copies: tensors as stored)."""
     parts: list[torch.Tensor] = []
     pos: list[int] = []
     num: list[int] = []
     new: list[int] = []
     fmt: list[int] = []
-
-    def fp(start: int, k: torch.Tensor, v: torch.Tensor, is_new: bool) -> None:
-        parts.extend((k, _EMPTY, _EMPTY, v, _EMPTY, _EMPTY))
-        pos.append(start)
-        num.append(k.shape[2])
-        new.append(int(is_new))
-        fmt.append(0)
-
     fmts = [_FP, 16, 1, 0, 0, 0] * 2
-    if layer.sink_k is not None and layer.sink_k.shape[2]:
-        fp(0, layer.sink_k, layer.sink_v, False)
-    store = layer.store
-    if store is not None:
-        kc, vc = store.codecs["k"], store.codecs["v"]
-        fmts += _fmt(kc) + _fmt(vc)
-        base = layer.n_sinks
-        for blk in store.blocks:
-            if blk.used:
-                parts.extend(_side_parts(kc, blk.parts, "k") + _side_parts(vc, blk.parts, "v"))
-                pos.append(base + blk.start)
-                num.append(blk.used)
-                new.append(0)
-                fmt.append(1)
-        if layer.window.length:
-            wk, wv = layer.window.view()
-            fp(base + store.end, wk, wv, False)
-    if layer.pending is not None:
-        fp(layer.n_total, layer.pending[0], layer.pending[1], True)
+    if plan.key_format is not None:
+        fmts += _fmt(plan.key_format) + _fmt(plan.value_format)
+    for seg in plan.segments:
+        if not seg.length:
+            continue
+        if seg.kind == EXACT:
+            parts.extend((seg.k, _EMPTY, _EMPTY, seg.v, _EMPTY, _EMPTY))
+        else:
+            parts.extend(_side_parts(plan.key_format, seg.k_parts, plan.key_shared)
+                         + _side_parts(plan.value_format, seg.v_parts, plan.value_shared))
+        pos.append(seg.start)
+        num.append(seg.length)
+        new.append(int(seg.is_new))
+        fmt.append(int(seg.kind != EXACT))
     return parts, pos, num, new, fmt, fmts
 
 
-def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, Lq, D] over everything ``layer`` stores plus its pending tokens."""
+def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds."""
     ext = load_extension()
-    if ext is None or query.device.type != "cpu" or query.shape[2] > MAX_QUERIES or not supports(layer):
-        return reference_attend_layer(query, layer, mask, scaling)
-    parts, pos, num, new, fmt, fmts = packed_segments(layer)
+    if ext is None or query.device.type != "cpu" or query.shape[2] > MAX_QUERIES or not supports(plan):
+        return reference.attend(query, plan, mask, scaling)
+    parts, pos, num, new, fmt, fmts = packed_segments(plan)
     if not pos:
         raise ValueError("attention over an empty cache with no new tokens")
-    if mask is not None:
-        kv_len = layer.n_total - layer.first_visible + query.shape[2]
-        if mask.dim() != 4 or mask.shape[-1] < kv_len or mask.shape[-2] != query.shape[2]:
-            # the reference fails the same way (a RuntimeError from slicing); never read past the mask
-            raise RuntimeError(f"attention mask of shape {tuple(mask.shape)} does not cover {query.shape[2]} "
-                               f"queries x {kv_len} key positions")
-    f = layer.spec.flush_tokens
+    # the reference fails the same way on a short mask (a RuntimeError from slicing); never read past the mask
+    plan.check_mask(mask, query.shape[2])
+    f = plan.flush_tokens
     chunk = max(f, CHUNK_TOKENS // f * f)
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
     m = _EMPTY if mask is None else mask
-    out = ext.attend(q, parts, pos, num, new, fmt, fmts, m, layer.first_visible, layer.n_total, float(scaling),
+    out = ext.attend(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start, float(scaling),
                      chunk)
     return out.to(query.dtype)

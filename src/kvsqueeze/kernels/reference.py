@@ -1,8 +1,9 @@
-"""Reference attention over a segmented KV cache, one chunk at a time (online softmax / log-sum-exp merge).
+"""Reference attention over a segment plan, one chunk at a time (online softmax / log-sum-exp merge).
 
-Segments are (absolute start, keys, values, is_new) in token order, as yielded by ``LayerKV.segments``: sinks,
-decoded history blocks, the window, and the new tokens of this step.  Only one segment's scores exist at a
-time, so no full-precision copy of the whole history is ever built.  Every fast kernel is tested against this.
+:func:`attend` reads a :class:`~kvsqueeze.cache.plan.SegmentPlan` in token order - sinks, history blocks decoded
+one at a time by the plan's decoders, the window, and the new tokens of this step - so only one segment's scores
+exist at a time and no full-precision copy of the whole history is ever built.  Every fast kernel is tested
+against this.
 """
 
 from __future__ import annotations
@@ -11,8 +12,20 @@ from collections.abc import Iterable
 
 import torch
 
+from ..cache.plan import SegmentPlan
+
 NEG_INF = float("-inf")
 MAX_COLUMNS = 1024  # a long segment (e.g. a prompt's own tokens) is scored this many keys at a time
+
+
+def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds (see :func:`attend_segments`)."""
+    return attend_segments(query, plan.decoded(), mask, scaling, kv_offset=plan.first_visible,
+                           query_start=plan.query_start)
+
+
+def available() -> bool:
+    return True
 
 
 def attend_segments(

@@ -1,9 +1,9 @@
 """Triton GPU kernels over the packed cache: fused decode attention (prefill and packing in sibling modules).
 
-Imported lazily by :mod:`kvsqueeze.kernels.dispatch`; ``import kvsqueeze`` never needs Triton.  Under
+Imported lazily by the adapter's backend switch; ``import kvsqueeze`` never needs Triton.  Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), which is how they are tested without a GPU.
 
-Decode (``attend_layer``): every history block is read in place by one launch whose programs each own a
+Decode (``attend``): every history block of the segment plan is read in place by one launch whose programs each own a
 (batch * kv head, chunk of ``CHUNK`` tokens) pair (flash-decoding).  A program unpacks ``BLOCK_T`` tokens of codes at
 a time in registers (shift and mask per channel), applies the group parameters there, scores all query rows of
 its KV head (GQA rows share the loads) and keeps an online softmax; it writes its partial (max, sum, weighted
@@ -19,11 +19,13 @@ go to the reference), per-channel or per-token groups, symmetric or not, fp32/fp
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
-from ..cache.codecs import Codec, FullCodec, IntChannelCodec, IntTokenCodec
-from .dispatch import reference_attend_layer
+from ..cache.plan import EXACT, SegmentPlan
+from ..quant.format import StorageFormat
+from . import reference
 from .reference import NEG_INF
 
 try:  # Triton is optional
@@ -132,38 +134,34 @@ if HAS_TRITON:
         tl.store(acc_ptr + part[:, None] * D + ch[None, :], acc, mask=r_ok[:, None])
 
 
-def _side(codec: Codec) -> tuple[int, int, int, bool] | None:
-    """(kind, bits, group, symmetric) for the kernel, or None when the layout needs the reference."""
-    if isinstance(codec, FullCodec):
+def _side(fmt: StorageFormat | None) -> tuple[int, int, int, bool] | None:
+    """(kind, bits, group, symmetric) for the kernel, or None when the format needs the reference."""
+    if fmt is None or fmt.kind == "fp":
         return 0, 16, 1, False
-    if isinstance(codec, IntTokenCodec | IntChannelCodec) and codec.spec.bits in _FAST_BITS \
-            and codec.pdtype in _PARAM_DTYPES:
-        return (1 if isinstance(codec, IntTokenCodec) else 2), codec.spec.bits, codec.group, codec.spec.symmetric
+    if fmt.kind == "int" and fmt.plain and fmt.bits in _FAST_BITS and fmt.param_dtype in _PARAM_DTYPES:
+        return (1 if fmt.axis == "token" else 2), fmt.bits, fmt.group, fmt.symmetric
     return None
 
 
-def supports(layer) -> bool:
-    store = layer.store
-    if store is None:
-        return True
-    return _side(store.codecs["k"]) is not None and _side(store.codecs["v"]) is not None
+def supports(plan: SegmentPlan) -> bool:
+    return _side(plan.key_format) is not None and _side(plan.value_format) is not None
 
 
-def _parts(codec: Codec, parts: dict[str, torch.Tensor], side: str) -> tuple[torch.Tensor, ...]:
-    if isinstance(codec, FullCodec):
-        x = parts[f"{side}.x"]
+def _parts(fmt: StorageFormat, parts: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    if fmt.kind == "fp":
+        x = parts["x"]
         return x, x, x
-    s = parts[f"{side}.scale"]
-    return parts[f"{side}.codes"], s, parts.get(f"{side}.zero", s)
+    s = parts["scale"]
+    return parts["codes"], s, parts.get("zero", s)
 
 
-def _bias(layer, mask, b: int, lq: int, kv_len: int, device) -> torch.Tensor | None:
+def _bias(plan: SegmentPlan, mask, b: int, lq: int, kv_len: int, device) -> torch.Tensor | None:
     """Additive float bias [B, Lq, kv_len] (columns = absolute position - first_visible), or None."""
     if mask is None:
         if lq == 1:
             return None
-        cols = torch.arange(kv_len, device=device) + layer.first_visible
-        qpos = torch.arange(lq, device=device) + layer.n_total
+        cols = torch.arange(kv_len, device=device) + plan.first_visible
+        qpos = torch.arange(lq, device=device) + plan.query_start
         ok = cols[None, :] <= qpos[:, None]
         return torch.zeros(1, lq, kv_len, device=device).masked_fill(~ok, NEG_INF)
     m = mask[:, 0]
@@ -186,27 +184,26 @@ def _fp_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     return m, p.sum(-1), torch.matmul(p, v.float())
 
 
-def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, Lq, D] over everything ``layer`` stores plus its pending tokens."""
+def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds."""
     b, hq, lq, d = query.shape
-    if not available() or not supports(layer) or d & (d - 1) or layer.pending is None:
-        return reference_attend_layer(query, layer, mask, scaling)
+    new = plan.new
+    if not available() or not supports(plan) or d & (d - 1) or new is None:
+        return reference.attend(query, plan, mask, scaling)
     if lq > MAX_QUERIES:  # prefill on top of a cache: query tiles with tl.dot (lazy: it imports this module)
         from .triton_prefill import attend_prefill, supports_query
 
         if supports_query(d):
-            return attend_prefill(query, layer, mask, scaling)
-        return reference_attend_layer(query, layer, mask, scaling)
-    hkv = layer.pending[0].shape[1]
+            return attend_prefill(query, plan, mask, scaling)
+        return reference.attend(query, plan, mask, scaling)
+    hkv = new.k.shape[1]
     rep = hq // hkv
     r = rep * lq
     q = (query.float() * scaling).reshape(b, hkv, r, d).contiguous()
-    kv_len = layer.n_total - layer.first_visible + lq
-    if mask is not None and (mask.dim() != 4 or mask.shape[-1] < kv_len or mask.shape[-2] != lq):
-        raise RuntimeError(f"attention mask of shape {tuple(mask.shape)} does not cover {lq} queries x {kv_len} "
-                           f"key positions")
-    bias = _bias(layer, mask, b, lq, kv_len, query.device)
-    first = layer.first_visible
+    kv_len = plan.kv_length(lq)
+    plan.check_mask(mask, lq)
+    bias = _bias(plan, mask, b, lq, kv_len, query.device)
+    first = plan.first_visible
     parts_m, parts_l, parts_acc = [], [], []
 
     def fp(start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -215,33 +212,28 @@ def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling:
         parts_l.append(l_.reshape(b * hkv, 1, r))
         parts_acc.append(acc.reshape(b * hkv, 1, r, d))
 
-    if layer.sink_k is not None and layer.sink_k.shape[2]:
-        fp(0, layer.sink_k, layer.sink_v)
-    store = layer.store
-    if store is not None and store.blocks:
-        kc, vc = store.codecs["k"], store.codecs["v"]
-        ks, vs = _side(kc), _side(vc)
-        blocks = [blk for blk in store.blocks if blk.used]
+    def stored(blocks) -> None:
+        kf, vf = plan.key_format, plan.value_format
+        ks, vs = _side(kf), _side(vf)
         chunk, bt = CHUNK, min(BLOCK_T, CHUNK)  # module attributes, so tests can shrink them for the interpreter
-        n_chunks = [triton.cdiv(blk.used, chunk) for blk in blocks]
+        n_chunks = [triton.cdiv(seg.length, chunk) for seg in blocks]
         total = sum(n_chunks)
         m_buf = torch.empty(b * hkv, total, r, device=query.device)
         l_buf = torch.empty_like(m_buf)
         acc_buf = torch.empty(b * hkv, total, r, d, device=query.device)
         bias_arg = bias if bias is not None else m_buf
         part0 = 0
-        for blk, nch in zip(blocks, n_chunks):
-            kx, ksc, kz = _parts(kc, blk.parts, "k")
-            vx, vsc, vz = _parts(vc, blk.parts, "v")
+        for seg, nch in zip(blocks, n_chunks):
+            kx, ksc, kz = _parts(kf, seg.k_parts)
+            vx, vsc, vz = _parts(vf, seg.v_parts)
             for t in (kx, ksc, kz, vx, vsc, vz):  # the kernel indexes [B*H, rows, X] rows contiguously
                 assert t.is_contiguous()
-            col0 = layer.n_sinks + blk.start - first
             _decode_block_kernel[(b * hkv, nch)](
                 q, bias_arg, m_buf, l_buf, acc_buf,
                 kx, ksc, kz, vx, vsc, vz,
                 kx.stride(1), kx.stride(2), ksc.stride(1), ksc.stride(2),
                 vx.stride(1), vx.stride(2), vsc.stride(1), vsc.stride(2),
-                blk.used, col0, bias.stride(0) if bias is not None and bias.shape[0] > 1 else 0,
+                seg.length, seg.start - first, bias.stride(0) if bias is not None and bias.shape[0] > 1 else 0,
                 bias.stride(1) if bias is not None else 0, part0, total,
                 R=r, RP=triton.next_power_of_2(r), D=d, LQ=lq, HKV=hkv, CH=chunk, BT=bt,
                 HAS_BIAS=bias is not None,
@@ -251,10 +243,20 @@ def attend_layer(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling:
         parts_m.append(m_buf)
         parts_l.append(l_buf)
         parts_acc.append(acc_buf)
-    if store is not None and layer.window.length:
-        wk, wv = layer.window.view()
-        fp(layer.n_sinks + store.end, wk, wv)
-    fp(layer.n_total, layer.pending[0], layer.pending[1])
+
+    # token order is kept (sinks, the stored blocks in one launch each, window, new): the merge below is exact
+    blocks: list = []
+    for seg in plan.segments:
+        if seg.kind != EXACT:
+            blocks.append(seg)
+            continue
+        if blocks:
+            stored(blocks)
+            blocks = []
+        if seg.length:
+            fp(seg.start, seg.k, seg.v)
+    if blocks:
+        stored(blocks)
     m = torch.cat(parts_m, 1)
     l_ = torch.cat(parts_l, 1)
     acc = torch.cat(parts_acc, 1)

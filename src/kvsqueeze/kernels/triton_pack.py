@@ -1,6 +1,6 @@
 """Triton quantize-and-pack of appended tokens, bit-identical to the torch encoders of the integer codecs.
 
-:func:`encode` returns exactly the parts of ``IntTokenCodec.encode`` / ``IntChannelCodec.encode`` (codes packed
+:func:`encode` returns exactly the parts the integer codecs store for a plain "int" storage format (codes packed
 as :func:`kvsqueeze.quant.packing.pack_bits` packs them, scale and zero in the parameter dtype), computed by one
 launch instead of a dozen torch ops and their float32 temporaries.  It follows :func:`quantize_groups` operation
 by operation: min/max (exact in any order), parameters rounded to the storage dtype with the same directed
@@ -11,7 +11,7 @@ Supported: 1 (asymmetric only), 2, 3, 4, 5-8 bits, symmetric or not, any clip ra
 power-of-two head_dim and group size.  Everything else (1-bit symmetric, whose scale is a mean whose summation
 order would differ; fp8 parameters; other group sizes) returns None and the caller keeps the torch encoder.
 
-The codecs call this for CUDA tensors (see ``_triton_encode`` in :mod:`kvsqueeze.cache.codecs`);
+The adapter hands :func:`encode` to the cache's block stores for CUDA tensors (its ``fast_encoder``);
 ``KVSQUEEZE_TRITON_ENCODE=1`` also routes CPU tensors here (under ``TRITON_INTERPRET=1``, for tests) and ``=0``
 switches it off.  Importing this module without Triton works; :func:`encode` then returns None.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.codecs import IntChannelCodec, IntTokenCodec
+from ..quant.format import StorageFormat
 from ..quant.params import scale_floor
 from .triton_decode import HAS_TRITON, available
 
@@ -30,6 +30,7 @@ if HAS_TRITON:
 
 ROWS = 16  # tokens per program of the per-token kernel
 _PKIND = {"fp32": 0, "fp16": 1, "bf16": 2}
+_PNAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _PMAX = {0: float(torch.finfo(torch.float32).max), 1: float(torch.finfo(torch.float16).max),
          2: float(torch.finfo(torch.bfloat16).max)}
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -153,41 +154,41 @@ if HAS_TRITON:
         _pack_store(c_ptr, q, rows, rows >= 0, G, D, BITS)
 
 
-def supports(codec, x: torch.Tensor) -> bool:
-    """Whether :func:`encode` reproduces ``codec.encode(x)`` (exact codec classes only: subclasses may differ)."""
-    if type(codec) not in (IntTokenCodec, IntChannelCodec):
+def supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
+    """Whether :func:`encode` reproduces the torch codec's parts for a format (plain integer layouts only)."""
+    if fmt.kind != "int" or not fmt.plain:
         return False
-    s, d, g = codec.spec, codec.head_dim, codec.group
-    if s.param_dtype not in _PKIND or (s.symmetric and s.bits == 1) or not (_pow2(d) and _pow2(g)):
+    d, g = fmt.head_dim, fmt.group
+    if fmt.param_dtype not in _PNAME or (fmt.symmetric and fmt.bits == 1) or not (_pow2(d) and _pow2(g)):
         return False
     if x.dim() != 4 or x.shape[-1] != d or x.dtype not in _X_DTYPES or x.shape[2] == 0:
         return False
-    return type(codec) is IntTokenCodec or x.shape[2] % g == 0  # a ragged per-channel call raises in torch
+    return fmt.axis == "token" or x.shape[2] % g == 0  # a ragged per-channel call raises in torch
 
 
-def encode(codec, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The codec's parts for ``x`` [B, H, T, D] computed by Triton, or None when not supported here."""
-    if not available() or not supports(codec, x):
+def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The stored parts of ``x`` [B, H, T, D] in ``fmt`` computed by Triton, or None when not supported here."""
+    if not available() or not supports(fmt, x):
         return None
     b, h, t, d = x.shape
-    s, g = codec.spec, codec.group
+    g, bits, pname = fmt.group, fmt.bits, _PNAME[fmt.param_dtype]
     x = x.contiguous()
-    nbytes = d * s.bits // 8 if s.bits <= 4 else d
+    nbytes = d * bits // 8 if bits <= 4 else d
     codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device)
-    pshape = (b, h, t, d // g) if type(codec) is IntTokenCodec else (b, h, t // g, d)
-    scale = torch.empty(pshape, dtype=codec.pdtype, device=x.device)
-    zero = None if s.symmetric else torch.empty_like(scale)
-    pk = _PKIND[s.param_dtype]
-    consts = dict(D=d, G=g, BITS=s.bits, SYM=s.symmetric, PKIND=pk, PMAX=_PMAX[pk])
+    pshape = (b, h, t, d // g) if fmt.axis == "token" else (b, h, t // g, d)
+    scale = torch.empty(pshape, dtype=fmt.param_dtype, device=x.device)
+    zero = None if fmt.symmetric else torch.empty_like(scale)
+    pk = _PKIND[pname]
+    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk])
     z_arg = scale if zero is None else zero
-    floor = scale_floor(s.param_dtype)
+    floor = scale_floor(pname)
     # no FMA contraction: every product is rounded as torch rounds it
-    if type(codec) is IntTokenCodec:
+    if fmt.axis == "token":
         n = b * h * t
-        _pack_token_kernel[(triton.cdiv(n, ROWS),)](x, codes, scale, z_arg, n, float(s.clip), floor, BR=ROWS,
+        _pack_token_kernel[(triton.cdiv(n, ROWS),)](x, codes, scale, z_arg, n, float(fmt.clip), floor, BR=ROWS,
                                                     enable_fp_fusion=False, **consts)
     else:
-        _pack_channel_kernel[(b * h * t // g,)](x, codes, scale, z_arg, float(s.clip), floor,
+        _pack_channel_kernel[(b * h * t // g,)](x, codes, scale, z_arg, float(fmt.clip), floor,
                                                 enable_fp_fusion=False, **consts)
     out = {"codes": codes, "scale": scale}
     if zero is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.plan import EXACT, SegmentPlan
 from .triton_decode import HAS_TRITON, _parts, _side
 
 if HAS_TRITON:
@@ -103,24 +104,22 @@ def _fp_args(x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]
     return (x, x, x), st + st
 
 
-def _block_args(codec, parts: dict[str, torch.Tensor], side: str):
-    x, s, z = _parts(codec, parts, side)
+def _block_args(fmt, parts):
+    x, s, z = _parts(fmt, parts)
     return (x, s, z), (x.stride(0), x.stride(1), x.stride(2), s.stride(0), s.stride(1), s.stride(2))
 
 
-def attend_prefill(query: torch.Tensor, layer, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, Lq, D] over ``layer`` (stored segments plus its pending tokens)."""
+def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float
+                   ) -> torch.Tensor:
+    """Attention of ``query`` [B, Hq, Lq, D] over the plan (stored segments plus the step's new tokens)."""
     b, hq, lq, d = query.shape
-    hkv = layer.pending[0].shape[1]
+    hkv = plan.new.k.shape[1]
     rep = hq // hkv
     r = rep * lq
     dev = query.device
     q = (query.float() * scaling).reshape(b, hkv, r, d).contiguous()
-    first = layer.first_visible
-    kv_len = layer.n_total - first + lq
-    if mask is not None and (mask.dim() != 4 or mask.shape[-1] < kv_len or mask.shape[-2] != lq):
-        raise RuntimeError(f"attention mask of shape {tuple(mask.shape)} does not cover {lq} queries x {kv_len} "
-                           f"key positions")
+    first = plan.first_visible
+    plan.check_mask(mask, lq)
     m_state = torch.full((b * hkv, r), float("-inf"), device=dev)
     l_state = torch.zeros(b * hkv, r, device=dev)
     acc = torch.zeros(b * hkv, r, d, device=dev)
@@ -140,7 +139,7 @@ def attend_prefill(query: torch.Tensor, layer, mask: torch.Tensor | None, scalin
             return
         _prefill_segment_kernel[grid](
             q, m_state, l_state, acc, mask_arg, *kargs, *vargs, *kst, *vst, *mst,
-            n, start - first, start, layer.n_total, r, lq,
+            n, start - first, start, plan.query_start, r, lq,
             HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, PREC=DOT_PRECISION,
             KKIND=ks[0], KBITS=ks[1], KG=ks[2], KSYM=ks[3], VKIND=vs[0], VBITS=vs[1], VG=vs[2], VSYM=vs[3],
             num_warps=warps,
@@ -150,19 +149,13 @@ def attend_prefill(query: torch.Tensor, layer, mask: torch.Tensor | None, scalin
         (ka, kst), (va, vst) = _fp_args(k), _fp_args(v)
         launch(start, k.shape[2], ka, kst, va, vst, _FP_SIDE, _FP_SIDE, mkind)
 
-    if layer.sink_k is not None and layer.sink_k.shape[2]:
-        fp(0, layer.sink_k, layer.sink_v, hist_kind)
-    store = layer.store
-    if store is not None:
-        kc, vc = store.codecs["k"], store.codecs["v"]
-        ks, vs = _side(kc), _side(vc)
-        for blk in store.blocks:
-            if blk.used:
-                (ka, kst), (va, vst) = _block_args(kc, blk.parts, "k"), _block_args(vc, blk.parts, "v")
-                launch(layer.n_sinks + blk.start, blk.used, ka, kst, va, vst, ks, vs, hist_kind)
-        if layer.window.length:
-            wk, wv = layer.window.view()
-            fp(layer.n_sinks + store.end, wk, wv, hist_kind)
-    fp(layer.n_total, layer.pending[0], layer.pending[1], 3 if mask is None else hist_kind)
+    ks, vs = _side(plan.key_format), _side(plan.value_format)
+    for seg in plan.segments:
+        if seg.kind == EXACT:
+            fp(seg.start, seg.k, seg.v, (3 if mask is None else hist_kind) if seg.is_new else hist_kind)
+        elif seg.length:
+            (ka, kst), (va, vst) = _block_args(plan.key_format, seg.k_parts), _block_args(plan.value_format,
+                                                                                          seg.v_parts)
+            launch(seg.start, seg.length, ka, kst, va, vst, ks, vs, hist_kind)
     out = acc / l_state.clamp_min(1e-30)[..., None]
     return out.reshape(b, hq, lq, d).to(query.dtype)

@@ -3,7 +3,8 @@
 Densely packed widths: 1, 2, 4 bits (8 // bits codes per byte, first code in the lowest bits) and 3 bits (8 codes
 in 3 bytes, read as one little-endian 24-bit word, first code in the lowest bits).  8-bit codes are already
 bytes; 5-7-bit codes are stored one per byte (identity) - a dense 5-7-bit layout saves too little to be worth
-the unaligned shifts.  Codes must already be < 2**bits; they are not masked.
+the unaligned shifts.  Codes must already be < 2**bits; they are not masked.  Ternary codes (the 1.5-bit format)
+are packed five per byte in base 3 by :func:`pack_ternary`.
 """
 
 from __future__ import annotations
@@ -82,3 +83,30 @@ def unpack_bits(packed: Tensor, bits: int, n: int, exportable: bool = False) -> 
 def unpack_bits_exportable(packed: Tensor, bits: int, n: int) -> Tensor:
     """:func:`unpack_bits` for ONNX graphs below opset 18 (no BitwiseAnd); the static engines' traced steps use it."""
     return unpack_bits(packed, bits, n, exportable=True)
+
+
+TRITS_PER_BYTE = 5  # 3**5 = 243 <= 256: five ternary codes per byte, 1.6 bits per code
+_POW3 = (1, 3, 9, 27, 81)
+
+
+def ternary_nbytes(n: int) -> int:
+    """Bytes that ``n`` ternary codes take: ceil(n / 5) (the last byte is zero-padded)."""
+    return -(-n // TRITS_PER_BYTE)
+
+
+def pack_ternary(codes: Tensor) -> Tensor:
+    """Pack uint8 codes in {0, 1, 2} along the last dim, five per byte in base 3 (first code least significant)."""
+    n = codes.shape[-1]
+    pad = ternary_nbytes(n) * TRITS_PER_BYTE - n
+    c = torch.nn.functional.pad(codes, (0, pad)).reshape(*codes.shape[:-1], -1, TRITS_PER_BYTE).to(torch.int32)
+    w = torch.tensor(_POW3, dtype=torch.int32, device=codes.device)
+    return (c * w).sum(-1).to(torch.uint8)
+
+
+def unpack_ternary(packed: Tensor, n: int) -> Tensor:
+    """Inverse of :func:`pack_ternary`: ``n`` codes along the last dim."""
+    if packed.shape[-1] != ternary_nbytes(n):
+        raise ValueError(f"{n} ternary codes take {ternary_nbytes(n)} bytes, got {packed.shape[-1]}")
+    w = torch.tensor(_POW3, dtype=torch.int32, device=packed.device)
+    c = (packed.to(torch.int32).unsqueeze(-1) // w) % 3
+    return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)

@@ -1,0 +1,94 @@
+"""The segment plan: what one attention step reads, in token order, as typed parts with absolute positions.
+
+A layer of the cache produces one :class:`SegmentPlan` per step (:meth:`kvsqueeze.cache.layer.LayerKV.plan`):
+sinks, the packed history blocks, the full-precision window and the step's new tokens.  Every attention kernel
+(the reference, the C++ CPU kernel, the Triton kernels) consumes this and nothing else of the cache: exact
+segments hand over their K/V tensors; stored segments hand over the parts as stored (described by the plan's
+key/value :class:`~kvsqueeze.quant.format.StorageFormat`) and a decoder bound by the cache, which the
+reference uses and the fast kernels never need.  This module holds types only and imports nothing of the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ..quant.format import StorageFormat
+
+EXACT, STORED = "exact", "stored"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` tokens starting at absolute position ``start``.
+
+    kind "exact":  ``k``/``v`` [B, H, length, D] in the model's dtype (sinks, window, new tokens).
+    kind "stored": ``k_parts``/``v_parts`` are one block's stored tensors [B, H, rows, ...] by part name, of
+                   which the first ``length`` tokens are valid (blocks are preallocated); ``decode()`` returns
+                   the valid tokens' (k, v) in float32.
+    is_new:        the step's own tokens: causal among themselves when no mask is given.
+    """
+
+    kind: str
+    start: int
+    length: int
+    is_new: bool = False
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    k_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    v_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    decode: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of this segment: as held for exact segments, decoded for stored ones."""
+        if self.kind == EXACT:
+            return self.k, self.v
+        return self.decode()
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """Everything one layer's attention step reads.
+
+    key_format / value_format: how stored segments are stored.  key_shared / value_shared: tensors shared by
+    every stored token of a side (fp8 per-head / per-tensor scales), by name.  first_visible: absolute position
+    of the first token still stored (mask columns are positions minus this).  query_start: absolute position of
+    the first new token.  flush_tokens: stored segments hold whole token groups of this size.
+    """
+
+    segments: tuple[Segment, ...]
+    key_format: StorageFormat | None
+    value_format: StorageFormat | None
+    first_visible: int
+    query_start: int
+    flush_tokens: int = 1
+    key_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    value_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def stored(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind == STORED)
+
+    @property
+    def new(self) -> Segment | None:
+        return next((s for s in self.segments if s.is_new), None)
+
+    def kv_length(self, query_length: int) -> int:
+        """Mask columns attention sees for ``query_length`` new tokens."""
+        return self.query_start - self.first_visible + query_length
+
+    def decoded(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, bool]]:
+        """(start, k, v, is_new) per segment in token order, stored blocks decoded one at a time."""
+        for seg in self.segments:
+            if seg.length:
+                k, v = seg.values()
+                yield seg.start, k, v, seg.is_new
+
+    def check_mask(self, mask: torch.Tensor | None, query_length: int) -> None:
+        """A mask must cover every query row and every visible key column; never read past it."""
+        kv_len = self.kv_length(query_length)
+        if mask is not None and (mask.dim() != 4 or mask.shape[-1] < kv_len or mask.shape[-2] != query_length):
+            raise RuntimeError(f"attention mask of shape {tuple(mask.shape)} does not cover {query_length} queries "
+                               f"x {kv_len} key positions")
