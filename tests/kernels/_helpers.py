@@ -56,6 +56,8 @@ def padding_mask(layer: LayerKV, new: int, pads: list[int]) -> torch.Tensor:
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Triton tests run on the GPU when there is one (the interpreter is only switched on without one)
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def require_triton_runtime() -> None:

@@ -13,6 +13,7 @@ from kvsqueeze.kernels import reference
 
 from ._helpers import (
     HAS_TRITON,
+    TRITON_DEVICE,
     assert_matches_reference,
     filled_layer,
     padding_mask,
@@ -37,13 +38,13 @@ def td(monkeypatch):
 
 @pytest.mark.parametrize("spec,new", [("kivi-2-sink4", 1), ("k8t16-v4c16-w16", 2), ("kivi-4", 1), ("full", 1)])
 def test_fused_decode_matches_reference_interpreted(td, spec, new):
-    layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=32, stored=90 if spec != "kivi-4" else 200, new=new, steps=2)
+    layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=32, stored=90 if spec != "kivi-4" else 200, new=new, steps=2, device=TRITON_DEVICE)
     assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0, 21]))
 
 
 def test_unsupported_layouts_fall_back(td):
-    layer = filled_layer("k3c32-v3t32-w32", batch=1, kv_heads=1, head_dim=32, stored=70, new=1)
-    assert not td.supports(layer)
+    layer = filled_layer("k3c32-v3t32-w32", batch=1, kv_heads=1, head_dim=32, stored=70, new=1, device=TRITON_DEVICE)
+    assert not td.supports(layer.plan())
     q = query_for(layer, 1, 1)
     assert torch.equal(td.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
 

@@ -1,5 +1,8 @@
 """Triton quantize-and-pack against the torch encoders of IntTokenCodec / IntChannelCodec: identical parts.
 
+The reference is the torch encoder on the CPU (IEEE division, as the kernel's ``div_rn``): on CUDA, torch divides
+a tensor by a Python scalar through the scalar's reciprocal, which differs from IEEE division in the last bit.
+
 Runs under TRITON_INTERPRET=1 on CPU (tests/kernels/conftest.py) and on CUDA when present.  Codes and scales
 must be bit-identical; zero offsets equal in value (the sign of a 0.0 minimum depends on reduction order).
 """
@@ -15,7 +18,7 @@ from kvsqueeze.adapter import fast_encoder
 from kvsqueeze.cache.codecs import IntChannelCodec, IntTokenCodec
 from kvsqueeze.spec import QuantSpec
 
-from ._helpers import HAS_TRITON, filled_layer, require_triton_runtime
+from ._helpers import HAS_TRITON, TRITON_DEVICE, filled_layer, require_triton_runtime
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -35,7 +38,7 @@ def _bits_view(t: torch.Tensor) -> torch.Tensor:
 def _assert_same(got: dict, ref: dict) -> None:
     assert got is not None and set(got) == set(ref)
     for name, r in ref.items():
-        g = got[name]
+        g, r = got[name].cpu(), r.cpu()
         assert g.shape == r.shape and g.dtype == r.dtype, name
         if name == "zero":
             assert torch.equal(g, r), name
@@ -69,8 +72,8 @@ def test_pack_matches_torch_encoder(tp, axis, bits, symmetric):
         spec = QuantSpec(fmt="int", bits=bits, axis=axis, group=group, symmetric=symmetric, clip=clip,
                          param_dtype=pdtype)
         codec = (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, d)
-        x = (torch.randn(b, h, t, d, generator=gen) * 2 + 0.3).to(xdtype)
-        _assert_same(tp.encode(codec.fmt, x), codec.encode(x))
+        x = (torch.randn(b, h, t, d, generator=gen) * 2 + 0.3).to(TRITON_DEVICE, xdtype)
+        _assert_same(tp.encode(codec.fmt, x), codec.encode(x.cpu()))
 
 
 @pytest.mark.parametrize("pdtype", ["fp32", "fp16", "bf16"])
@@ -79,12 +82,12 @@ def test_pack_extreme_values_and_ties(tp, pdtype):
     for axis, bits, sym in (("token", 4, False), ("channel", 2, False), ("token", 8, True), ("channel", 3, True)):
         spec = QuantSpec(fmt="int", bits=bits, axis=axis, group=8, symmetric=sym, param_dtype=pdtype)
         codec = (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, 16)
-        x = _wild(gen, (1, 2, 32, 16))
-        _assert_same(tp.encode(codec.fmt, x), codec.encode(x))
+        x = _wild(gen, (1, 2, 32, 16)).to(TRITON_DEVICE)
+        _assert_same(tp.encode(codec.fmt, x), codec.encode(x.cpu()))
 
 
 def test_unsupported_returns_none(tp):
-    x = torch.randn(1, 1, 8, 32)
+    x = torch.randn(1, 1, 8, 32, device=TRITON_DEVICE)
     assert tp.encode(IntTokenCodec(QuantSpec(fmt="int", bits=1, symmetric=True), 32).fmt, x) is None
     assert tp.encode(IntTokenCodec(QuantSpec(fmt="int", bits=4, param_dtype="fp8-e4m3"), 32).fmt, x) is None
     assert tp.encode(IntTokenCodec(QuantSpec(fmt="int", bits=4, group=None), 48).fmt, torch.randn(1, 1, 8, 48)) is None
@@ -100,7 +103,8 @@ def test_unsupported_returns_none(tp):
 
 
 def test_codecs_route_to_triton_when_forced(tp, monkeypatch):
-    """KVSQUEEZE_TRITON_ENCODE=1 sends CPU tensors through the kernel; the stored blocks are unchanged."""
+    """The adapter's encoder sends the block store's tokens through the kernel (on CUDA by default, on CPU tensors
+    with KVSQUEEZE_TRITON_ENCODE=1); the stored blocks equal those of the torch encoder on the CPU."""
     calls = []
     real = tp.encode
 
@@ -109,20 +113,20 @@ def test_codecs_route_to_triton_when_forced(tp, monkeypatch):
         calls.append(out is not None)
         return out
 
-    def stored(spec: str):
+    def stored(spec: str, device: str):
         layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=32, stored=70, new=1, steps=3,
-                             fast_encode=fast_encoder)
+                             fast_encode=fast_encoder, device=device)
         rows = {k: lay.tokens_per_row for k, lay in layer.store._layouts()}
-        return {f"{i}.{k}": t[:, :, :blk.used // rows[k]].clone()  # rows past `used` are uninitialised
+        return {f"{i}.{k}": t[:, :, :blk.used // rows[k]].cpu()  # rows past `used` are uninitialised
                 for i, blk in enumerate(layer.store.blocks) for k, t in blk.parts.items()}
 
     spec = "k2c16-v4t16-w16-s2"
     monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "0")
-    ref = stored(spec)
+    ref = stored(spec, "cpu")
     monkeypatch.setattr(tp, "encode", spy)
     assert not calls
     monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "1")
-    got = stored(spec)
+    got = stored(spec, TRITON_DEVICE)
     assert calls and all(calls)
     assert set(got) == set(ref)
     for k in ref:
@@ -140,7 +144,7 @@ def test_pack_on_gpu(axis, bits, sym, pdtype, monkeypatch):
     codec = (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, 128)
     x = torch.randn(4, 8, 256, 128, device="cuda", dtype=torch.float16) * 3
     monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "0")
-    ref = codec.encode(x)
+    ref = codec.encode(x.cpu())  # the reference: torch on CUDA divides by a scalar through its reciprocal
     _assert_same(triton_pack.encode(codec.fmt, x), ref)
     monkeypatch.delenv("KVSQUEEZE_TRITON_ENCODE")
     _assert_same(fast_encoder(codec.fmt, x), ref)  # the block stores' default on CUDA is the kernel

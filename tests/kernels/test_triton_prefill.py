@@ -15,6 +15,7 @@ from kvsqueeze.spec import CacheSpec, preset
 
 from ._helpers import (
     HAS_TRITON,
+    TRITON_DEVICE,
     assert_matches_reference,
     filled_layer,
     padding_mask,
@@ -56,7 +57,7 @@ def _routed(td, monkeypatch) -> list:
 def test_prefill_matches_reference(td, monkeypatch, spec, kv_heads, q_heads, stored, pads):
     calls = _routed(td, monkeypatch)
     new = 37  # > MAX_QUERIES, not a multiple of any tile
-    layer = filled_layer(spec, batch=2, kv_heads=kv_heads, head_dim=32, stored=stored, new=new, steps=3)
+    layer = filled_layer(spec, batch=2, kv_heads=kv_heads, head_dim=32, stored=stored, new=new, steps=3, device=TRITON_DEVICE)
     assert layer.n_history > 0 and len(layer.store.blocks) >= 1
     mask = padding_mask(layer, new, pads) if pads else None
     assert_matches_reference(td.attend, layer, q_heads, new, mask)
@@ -66,23 +67,26 @@ def test_prefill_matches_reference(td, monkeypatch, spec, kv_heads, q_heads, sto
 def test_prefill_float_mask_fp16(td):
     new = 20
     layer = filled_layer("k2c16-v4t16-w16", batch=2, kv_heads=1, head_dim=16, stored=150, new=new,
-                         dtype=torch.float16)
+                         dtype=torch.float16, device=TRITON_DEVICE)
     bool_mask = padding_mask(layer, new, [0, 33])
-    fmask = torch.zeros(bool_mask.shape, dtype=torch.float16).masked_fill(~bool_mask, torch.finfo(torch.float16).min)
+    fmask = torch.zeros(bool_mask.shape, dtype=torch.float16, device=bool_mask.device).masked_fill(
+        ~bool_mask, torch.finfo(torch.float16).min)
     assert_matches_reference(td.attend, layer, 3, new, fmask, atol=2e-3)  # output rounded to fp16
 
 
 def test_prefill_on_empty_history_and_multi_block(td):
     # a first prompt: nothing stored yet, causal among the new tokens only
-    layer = filled_layer("k4c16-v4t16-w16", batch=1, kv_heads=1, head_dim=32, stored=0, new=24)
+    layer = filled_layer("k4c16-v4t16-w16", batch=1, kv_heads=1, head_dim=32, stored=0, new=24, device=TRITON_DEVICE)
     assert_matches_reference(td.attend, layer, 2, 24)
     # several packed blocks (block_tokens 32), mask None: history fully visible, new tokens causal
     spec = preset("k2c16-v2t16-w16")
     layer = LayerKV(CacheSpec(key=spec.key, value=spec.value, window=16, block_tokens=32))
     g = torch.Generator().manual_seed(3)
-    layer.stage(torch.randn(1, 2, 120, 32, generator=g), torch.randn(1, 2, 120, 32, generator=g))
+    layer.stage(torch.randn(1, 2, 120, 32, generator=g).to(TRITON_DEVICE),
+                torch.randn(1, 2, 120, 32, generator=g).to(TRITON_DEVICE))
     layer.commit()
-    layer.stage(torch.randn(1, 2, 18, 32, generator=g), torch.randn(1, 2, 18, 32, generator=g))
+    layer.stage(torch.randn(1, 2, 18, 32, generator=g).to(TRITON_DEVICE),
+                torch.randn(1, 2, 18, 32, generator=g).to(TRITON_DEVICE))
     assert len(layer.store.blocks) >= 3
     assert_matches_reference(td.attend, layer, 4, 18)
 
@@ -90,14 +94,14 @@ def test_prefill_on_empty_history_and_multi_block(td):
 def test_prefill_sliding_layer_after_eviction(td):
     new = 17
     layer = filled_layer("k2c16-v2t16-w16", batch=1, kv_heads=1, head_dim=16, stored=600, new=new, steps=2,
-                         sliding=300)
+                         sliding=300, device=TRITON_DEVICE)
     assert layer.first_visible > 0
     assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0]))
 
 
 def test_small_head_dim_falls_back(td, monkeypatch):
     calls = _routed(td, monkeypatch)
-    layer = filled_layer("k4c16-v4t8-w16", batch=1, kv_heads=1, head_dim=8, stored=40, new=20)
+    layer = filled_layer("k4c16-v4t8-w16", batch=1, kv_heads=1, head_dim=8, stored=40, new=20, device=TRITON_DEVICE)
     q = query_for(layer, 1, 20)
     assert torch.equal(td.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
     assert calls == []
