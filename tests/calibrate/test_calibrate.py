@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -274,10 +273,9 @@ def test_calibrate_command_on_tiny_model_runs_in_seconds(tiny_llama, tiny_tokeni
     tiny_tokenizer.save_pretrained(model_dir)
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"w{2 + (i * 7) % 250}" for i in range(2000)))
-    t0 = time.perf_counter()
     rc = main(["calibrate", "--method", "skvq", "--model", str(model_dir), "--text", str(text), "--samples", "2",
                "--length", "64", "--out", str(tmp_path / "arts"), "--quiet"])
-    assert rc == 0 and time.perf_counter() - t0 < 60
+    assert rc == 0
     (art_dir,) = list((tmp_path / "arts").iterdir())
     assert art_dir.name.startswith("tiny-skvq-k2g32-v1.5g32")
     art = load_artifact(art_dir)

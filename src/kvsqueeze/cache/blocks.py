@@ -27,6 +27,10 @@ class _Block:
     start: int  # index of its first token within the store (counting evicted tokens)
     parts: dict[str, torch.Tensor]  # "k.codes", "v.scale", ...
     used: int = 0
+    # the plan segment last built for this block and what it was built from (a decode step reuses it: only the
+    # last block grows, so rebuilding every block's segment each step would cost more than the attention)
+    segment: Segment | None = None
+    segment_key: tuple = ()
 
 
 class BlockStore:
@@ -126,9 +130,13 @@ class BlockStore:
         out = []
         for blk in self.blocks:
             if blk.used:
-                kp, vp = self._sides(blk, valid=False)
-                out.append(Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
-                                   decode=self._decoder(blk, base)))
+                key = (base, blk.used, id(blk.parts))
+                if blk.segment_key != key:
+                    kp, vp = self._sides(blk, valid=False)
+                    blk.segment = Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
+                                          decode=self._decoder(blk, base))
+                    blk.segment_key = key
+                out.append(blk.segment)
         return out
 
     def chunks(self, base: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -171,6 +179,7 @@ class BlockStore:
         (fp8 per-head and per-tensor scales have one row per sequence)."""
         for blk in self.blocks:
             blk.parts = {k: fn(t) for k, t in blk.parts.items()}
+            blk.segment, blk.segment_key = None, ()
         for side in self.shared.values():
             for name, t in side.items():
                 if t.dim() == 4 and t.shape[0] == self.batch:

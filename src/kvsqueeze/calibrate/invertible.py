@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..artifact import Side
+from ..quant.affine import affine_ste
 from ..spec import QuantSpec
 from ..transforms.matrices import GeneralTransform, RopeCommutingTransform, condition_number, hadamard
 from .clip import attention_out, head_error, query_positions
@@ -91,11 +92,10 @@ def fake_quant_ste(x: torch.Tensor, q: QuantSpec) -> torch.Tensor:
 
 
 def _fq(xg: torch.Tensor, levels: int) -> torch.Tensor:
+    """The one affine quantizer's straight-through variant with float32 min/max parameters of each group."""
     mn = xg.amin(-1, keepdim=True)
     scale = ((xg.amax(-1, keepdim=True) - mn) / (levels - 1)).clamp_min(1e-8)
-    t = (xg - mn) / scale
-    t = t + (torch.round(t) - t).detach()
-    return t.clamp(0, levels - 1) * scale + mn
+    return affine_ste(xg, scale, mn, 0, levels - 1, "float")
 
 
 # ------------------------------------------------------------------------------------------------ per layer
