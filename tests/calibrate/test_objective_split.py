@@ -13,7 +13,7 @@ from kvsqueeze.kernels import reference
 from kvsqueeze.spec import preset
 
 
-@pytest.mark.parametrize("spec_name", ["k2c16-v2t16-w24-s3", "k4t16-v2t16-w8-s1", "k3c8-v4c8-w0"])
+@pytest.mark.parametrize("spec_name", ["k2c16-v2t16-w32-s3", "k4t16-v2t16-w8-s1", "k3c8-v4c8-w0"])
 def test_objective_split_equals_the_cache(spec_name):
     """Per-channel keys flush whole token groups, so the exact window holds window..window+G-1 tokens: the
     objective must follow that, not a fixed ``window`` (what it did before)."""
