@@ -61,7 +61,7 @@ def add_corpus(group: Any, what: str = "corpus") -> None:
     :mod:`kvsqueeze.corpus` (WikiText-2 found or fetched, else the corpus Python ships)."""
     from kvsqueeze.corpus import DATASETS
 
-    group.add_argument("--text", default=None, help=f"{what}: a UTF-8 text file")
+    group.add_argument("--text", default=None, metavar="FILE", help=f"{what}: a UTF-8 text file")
     group.add_argument("--dataset", default=None, choices=DATASETS,
                        help=f"{what} by name, with no fallback. Without --text or --dataset: WikiText-2 from "
                             "$KVSQUEEZE_DATA, the local cache or the hub (fetched once, SHA-256 verified, cached), "
