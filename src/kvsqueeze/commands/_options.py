@@ -56,6 +56,18 @@ def add_model_and_threads(p: argparse.ArgumentParser) -> None:
     add_threads(p)
 
 
+def add_corpus(group: Any, what: str = "corpus") -> None:
+    """--text FILE and --dataset NAME, into a mutually exclusive ``group``; with neither, the resolution of
+    :mod:`kvsqueeze.corpus` (WikiText-2 found or fetched, else the corpus Python ships)."""
+    from kvsqueeze.corpus import DATASETS
+
+    group.add_argument("--text", default=None, metavar="FILE", help=f"{what}: a UTF-8 text file")
+    group.add_argument("--dataset", default=None, choices=DATASETS,
+                       help=f"{what} by name, with no fallback. Without --text or --dataset: WikiText-2 from "
+                            "$KVSQUEEZE_DATA, the local cache or the hub (fetched once, SHA-256 verified, cached), "
+                            "else (offline) python-docs, the Python interpreter's own documentation text")
+
+
 def add_kv(p: argparse.ArgumentParser, default: str | None = None, help: str = KV_HELP) -> None:
     """--kv: required unless the command has a ``default``."""
     if default is None:

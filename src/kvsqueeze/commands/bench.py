@@ -24,9 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated caches to measure instead of the default presets and peers: each a "
                         "preset, a spec string, a calibration artifact directory or a peer (as --kv of kvsqueeze "
                         "ppl)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="perplexity corpus: a UTF-8 text file")
-    src.add_argument("--dataset", default=None, choices=["wikitext2"], help="perplexity corpus (default wikitext2)")
+    _options.add_corpus(p.add_mutually_exclusive_group(), "perplexity corpus")
     p.add_argument("--out", default="bench", help="reports go to OUT/<timestamp>/ (default bench)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     size = p.add_argument_group("sizes (override the --quick / full defaults)")

@@ -17,9 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items()))
     _options.add_model(p)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="calibration corpus: a UTF-8 text file (its last 10%% is used)")
-    src.add_argument("--dataset", default=None, choices=["wikitext2"],
-                     help="calibration corpus: WikiText-2 test (its last 10%%; the default without --text/--generated)")
+    _options.add_corpus(src, "calibration corpus (its last 10%% is used)")
     src.add_argument("--generated", action="store_true", help="calibrate on text the model samples itself")
     p.add_argument("--samples", type=int, default=4, help="calibration sequences (default 4)")
     p.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")

@@ -10,11 +10,7 @@ from . import _options
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _options.add_kv(p)
     _options.add_model_and_threads(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--text", default=None, help="corpus: a UTF-8 text file")
-    src.add_argument("--dataset", default=None, choices=["wikitext2"],
-                     help="corpus: wikitext2 from $KVSQUEEZE_DATA/wikitext-2-raw/wiki.test.raw or the hub "
-                          "(the default when --text is not given)")
+    _options.add_corpus(p.add_mutually_exclusive_group())
     p.add_argument("--context", type=int, default=1024, help="tokens per chunk (default 1024)")
     p.add_argument("--chunks", type=int, default=4, help="consecutive chunks from the corpus start (default 4)")
     p.add_argument("--protocol", default=None, choices=["decode", "window", "all-quantized"],
@@ -48,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     chunks = corpus_mod.eval_chunks(ids, args.context, args.chunks)
     print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}), {args.chunks} x {args.context} "
           f"tokens of {corpus.name}, {threads} threads")
+    print(f"corpus {corpus_mod.summary(corpus)}; found by: {'; '.join(corpus.resolution)}")
     res = run_ppl(model, chunks, args.kv, protocol, prefix)
     wall = time.perf_counter() - start
     b = res["kv_bytes"]

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from kvsqueeze.corpus import load_text_file
     from kvsqueeze.eval import meta, report
     from kvsqueeze.eval.peers import describe
-    from kvsqueeze.eval.retrieval import parse_depths, parse_lengths, run_retrieval
+    from kvsqueeze.eval.retrieval import generated_haystack, parse_depths, parse_lengths, run_retrieval
 
     start = time.perf_counter()
     _options.resolve_kv_option(args.kv)
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {png}")
     if args.json:
         record = {**res, "cache": describe([args.kv])[0], "heatmap_png": png,
-                  "haystack_source": None if haystack is None else haystack.describe(),
+                  "haystack_source": generated_haystack() if haystack is None else haystack.describe(),
                   "model": meta.model_info(model, args.model), "threads": threads,
                   "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
                   "date": meta.now(), "machine": meta.machine_info()}

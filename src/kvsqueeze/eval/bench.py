@@ -18,6 +18,7 @@ from tqdm import tqdm
 from ..resolve import resolve_kv
 from . import meta, report
 from .peers import PEERS, Peer, describe
+from .retrieval import generated_haystack
 
 QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
 QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
@@ -150,6 +151,34 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
     return total
 
 
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f}" if seconds >= 600 else f"{seconds / 60:.1f}"
+
+
+def expected_time(measured: float, load: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The estimate in words: measured on the machine as it is; when other programs are running (their load
+    average, spread over the CPUs this process may use, leaves fewer than ``threads`` free), also what an idle
+    machine would take, assuming the time scales with the share of the CPUs this run gets."""
+    cpus, other = load["cpus_available"], load["other_load"]
+    minutes = f"about {_minutes(measured)} min"
+    if other is None:
+        return {"seconds": measured, "idle_seconds": None, "busy": None,
+                "text": f"{minutes} on this machine ({threads} threads; from a short calibration run; the load of "
+                        f"other programs is unknown here)"}
+    slowdown = max(1.0, (other + threads) / cpus)
+    busy = slowdown > 1.0 and other >= 0.5
+    if not busy:
+        return {"seconds": measured, "idle_seconds": measured, "busy": False,
+                "text": f"{minutes} on this machine ({threads} threads; from a short calibration run; load "
+                        f"average {other:.1f} on {cpus} CPUs: nothing else competes)"}
+    idle = measured / slowdown
+    return {"seconds": measured, "idle_seconds": idle, "busy": True,
+            "text": f"{_minutes(idle)} to {_minutes(measured)} min: {minutes} on this machine as it is now (load "
+                    f"average {other:.1f} on {cpus} CPUs before this run: other programs compete for the CPUs, "
+                    f"and timings in the report are slower than on an idle machine), about {_minutes(idle)} min "
+                    f"if it were idle ({threads} threads; from a short calibration run)"}
+
+
 # ------------------------------------------------------------------------------------------------ stages
 def _bar(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
@@ -217,6 +246,14 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
     from .. import corpus as corpus_mod
 
     start = time.perf_counter()
+    load = meta.cpu_load()  # read first: the load of other programs, before this run adds its own
+    corpus, corpus_missing = None, ""
+    try:  # before the model loads: a corpus asked for by name that cannot be had fails at once
+        corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
+    except corpus_mod.CorpusUnavailable as exc:
+        if args.text is not None or args.dataset is not None:
+            raise
+        corpus_missing = str(exc)  # not even the corpus Python ships: perplexity is skipped, with the reason
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
     for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
                     ("speed context", max(plan.speed_contexts))):
@@ -225,18 +262,18 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
           f"({', '.join(plan.caches)}), {threads} threads")
     for note in plan.skipped:
         print(f"  skipped {note}")
-    corpus, chunks, corpus_missing = None, None, ""
-    try:
-        corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
+    chunks = None
+    if corpus is not None:
         ids = corpus_mod.tokenize(corpus, tokenizer)
         chunks = corpus_mod.eval_chunks(ids, plan.ppl_context, plan.ppl_chunks)
-    except corpus_mod.CorpusUnavailable as exc:
-        corpus_missing = str(exc)
-        print(f"  perplexity skipped: {exc}")
-        plan.skipped.append(f"perplexity: {exc}")
+        print(f"  corpus {corpus_mod.summary(corpus)}, {ids.numel()} tokens")
+        print(f"  corpus resolution: {'; '.join(corpus.resolution)}")
+    else:
+        print(f"  perplexity skipped: {corpus_missing}")
+        plan.skipped.append(f"perplexity: {corpus_missing}")
     expected = estimate_seconds(plan, model, chunks is not None)
-    print(f"  expected time: about {expected / 60:.0f} min on this machine ({threads} threads; estimated from "
-          f"a short calibration run)")
+    estimate = expected_time(expected, load, threads)
+    print(f"  expected time: {estimate['text']}")
 
     results: dict[str, Any] = {"config": plan.as_dict(), "caches": []}
     kinds = describe(plan.caches)
@@ -249,9 +286,10 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
     results["meta"] = {
         "command": meta.command_line(args), "date": meta.now(), "threads": threads,
         "machine": meta.machine_info(), "model": meta.model_info(model, args.model),
-        "corpus": None if corpus is None else {**corpus.describe(), "tokens": int(ids.numel())},
-        "corpus_missing": corpus_missing, "expected_seconds": expected,
-        "wall_seconds": time.perf_counter() - start,
+        "corpus": None if corpus is None else {**corpus.describe(), "tokens": int(ids.numel()),
+                                                "evaluated_fraction_limit": corpus_mod.MAX_EVAL_FRACTION},
+        "corpus_missing": corpus_missing, "retrieval_haystack": generated_haystack(), "expected_seconds": expected, "estimate": estimate,
+        "load_at_start": load, "wall_seconds": time.perf_counter() - start,
     }
     return write_report(results, out_root)
 

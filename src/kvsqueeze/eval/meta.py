@@ -52,6 +52,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpus_available() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cpu_load() -> dict[str, Any]:
+    """The load of other programs right now: the 1-minute load average (runnable tasks, all the machine's
+    CPUs) scaled to the CPUs this process may use; None where the platform has no load average."""
+    cpus, total = _cpus_available(), os.cpu_count() or 1
+    try:
+        load1 = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return {"load_average_1min": None, "logical_cpus": total, "cpus_available": cpus, "other_load": None}
+    return {"load_average_1min": round(load1, 2), "logical_cpus": total, "cpus_available": cpus,
+            "other_load": round(load1 * cpus / total, 2)}
+
+
 def machine_info() -> dict[str, Any]:
     import psutil
     import torch
@@ -59,7 +75,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "cpu": _cpu_name(),
         "logical_cpus": os.cpu_count(),
-        "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpus_available": _cpus_available(),
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),

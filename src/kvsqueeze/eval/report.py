@@ -93,9 +93,9 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "",
         f"- Command: `{meta['command']}`",
         f"- Date: {meta['date']}; wall time {meta['wall_seconds'] / 60:.1f} min (estimated up front: "
-        f"{meta['expected_seconds'] / 60:.0f} min)",
+        f"{_estimate(meta)})",
         f"- Machine: {mach['cpu']}, {mach['cpus_available']} CPUs available, {mach['memory_gib']} GiB RAM, "
-        f"{mach['platform']}, {'GPU ' + mach['gpu'] if mach['gpu'] else 'no GPU used'}",
+        f"{mach['platform']}, {'GPU ' + mach['gpu'] if mach['gpu'] else 'no GPU used'}{_load(meta)}",
         f"- Threads: {meta['threads']} (torch intra-op, fixed for the whole run)",
         f"- Software: kvsqueeze {v.get('kvsqueeze')}, torch {v.get('torch')}, transformers {v.get('transformers')}, "
         f"optimum-quanto {v.get('optimum-quanto') or 'not installed'}, Python {mach['python']}",
@@ -104,10 +104,14 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     ]
     corpus = meta.get("corpus")
     if corpus:
-        out.append(f"- Corpus: {corpus['name']} ({corpus['source']}, sha256 `{corpus['sha256'][:16]}…`, "
+        what = f"{corpus['description']}, " if corpus.get("description") else ""
+        out.append(f"- Corpus: {corpus['name']} ({what}{corpus['source']}, sha256 `{corpus['sha256'][:16]}…`, "
                    f"{corpus['tokens']} tokens); perplexity over {cfg['ppl_chunks']} consecutive chunks of "
                    f"{cfg['ppl_context']} tokens from the start (stride {cfg['ppl_context']}); the last 10% "
                    f"of the corpus is never evaluated (reserved for calibration)")
+        if corpus.get("resolution"):
+            out.append(f"- Corpus resolution (in order: --text, $KVSQUEEZE_DATA, local cache, hub, the corpus "
+                       f"Python ships): {'; '.join(corpus['resolution'])}")
     else:
         out.append(f"- Corpus: none available, perplexity skipped. {meta.get('corpus_missing', '')}")
     out += ["", "## Results", ""]
@@ -132,6 +136,25 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if results.get("skipped"):
         out += ["## Not measured", ""] + [f"- {s}" for s in results["skipped"]] + [""]
     return "\n".join(out)
+
+
+def _estimate(meta: dict[str, Any]) -> str:
+    est = meta.get("estimate")
+    if not est:
+        return f"{meta['expected_seconds'] / 60:.0f} min"
+    idle = est.get("idle_seconds")
+    if est.get("busy") and idle is not None:
+        return f"{est['seconds'] / 60:.1f} min at the load then, {idle / 60:.1f} min if idle"
+    return f"{est['seconds'] / 60:.1f} min"
+
+
+def _load(meta: dict[str, Any]) -> str:
+    load = meta.get("load_at_start") or {}
+    if load.get("other_load") is None:
+        return ""
+    busy = (meta.get("estimate") or {}).get("busy")
+    return (f"; load average {load['load_average_1min']:.1f} at the start"
+            + (" (other programs were running: timings are slower than on an idle machine)" if busy else ""))
 
 
 def _notes(results: dict[str, Any]) -> list[str]:

@@ -66,6 +66,15 @@ def score_answer(answer: str, passkey: str) -> bool:
     return m is not None and m.group() == passkey
 
 
+def generated_haystack() -> dict[str, Any]:
+    """What a report says of the default haystack: no corpus, the package's own filler, and its hash."""
+    import hashlib
+
+    return {"name": "generated", "source": "kvsqueeze.eval.retrieval.FILLER",
+            "description": "kvsqueeze's own filler sentences, repeated (no corpus is read)",
+            "sha256": hashlib.sha256("\n".join(FILLER).encode("utf-8")).hexdigest()}
+
+
 def filler_sentences(corpus_text: str | None = None) -> list[str]:
     """The haystack's sentences: the package's own filler, or the sentences of a corpus (in order)."""
     if corpus_text is None:
