@@ -1,6 +1,7 @@
 """The package's layers read top to bottom: a static scan of every import (lazy ones inside functions included).
 
-spec/format leaves -> quant -> artifact/resolve -> cache -> kernels -> adapter -> {calibrate, eval, engines}
+base (errors, version, cache root) -> leaves (spec, RoPE, layout, corpus, models, transforms) -> quant (formats)
+-> artifact -> resolve -> cache -> kernels -> adapter -> {calibrate, eval, engines}
 -> commands/cli -> the public ``kvsqueeze`` namespace.  An import may only point to a lower layer or stay inside
 its own part; calibrate, eval and engines sit side by side and never import each other.
 """
@@ -18,16 +19,16 @@ ROOT = Path(kvsqueeze.__file__).parent
 
 # part -> layer rank (the first dotted component under kvsqueeze; modules and sub-packages alike)
 RANKS = {
-    "_version": 0, "errors": 0, "spec": 0, "atomic_dir": 0, "rope": 0, "layout": 0, "corpus": 0, "models": 0,
-    "transforms": 0,
-    "quant": 1,
-    "artifact": 2, "resolve": 3,
-    "cache": 4,
-    "kernels": 5,
-    "adapter": 6,
-    "calibrate": 7, "eval": 7, "engines": 7,
-    "commands": 8, "cli": 9,
-    "__init__": 10,
+    "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0,
+    "spec": 1, "rope": 1, "layout": 1, "corpus": 1, "models": 1, "transforms": 1,
+    "quant": 2,
+    "artifact": 3, "resolve": 4,
+    "cache": 5,
+    "kernels": 6,
+    "adapter": 7,
+    "calibrate": 8, "eval": 8, "engines": 8,
+    "commands": 9, "cli": 10,
+    "__init__": 11,
 }
 
 
