@@ -25,7 +25,7 @@ from ..quant import (
     quantize_groups,
     unpack_bits,
 )
-from ..spec import QuantSpec
+from ..spec import ROT_FORMATS, QuantSpec
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,10 @@ def make_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
         return make_calibrated_codec(spec, head_dim, dtype)
     if spec.fmt == "none":
         return FullCodec(head_dim, dtype)
+    if spec.fmt in ROT_FORMATS:
+        from .codecs_rotated import RotatedCodec  # same layer; imported here because it subclasses Codec
+
+        return RotatedCodec(spec, head_dim)
     if spec.fmt == "int":
         return IntChannelCodec(spec, head_dim) if spec.axis == "channel" else IntTokenCodec(spec, head_dim)
     return Fp8Codec(spec, head_dim)
