@@ -49,12 +49,26 @@ class RotatedCodec(Codec):
         self.pdtype = param_torch_dtype(spec.param_dtype)
         self.sketch = spec.fmt == "rot-qjl"
         self.proj = sketch_matrix(head_dim, seed=SKETCH_SEED) if self.sketch else None
+        self._table: torch.Tensor | None = None
 
     def codebooks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Levels of the high-bit and the low-bit codebook (float32), as the kernels read them."""
         s = self.split
         return (lloyd_max(s.bits_hi, s.dim, self.density).levels_tensor(),
                 lloyd_max(s.bits_lo, s.dim, self.density).levels_tensor())
+
+    def kernel_table(self) -> torch.Tensor:
+        """float32 [1, 1, D + 2, max(D, 16)]: rows 0..D-1 the rotation R, row D the high-width levels, row D+1
+        the low-width levels (what the C++ kernel reads; built once)."""
+        if self._table is None:
+            d = self.head_dim
+            t = torch.zeros(1, 1, d + 2, max(d, 16))
+            t[0, 0, :d, :d] = self.rotation
+            hi, lo = self.codebooks()
+            t[0, 0, d, :hi.numel()] = hi
+            t[0, 0, d + 1, :lo.numel()] = lo
+            self._table = t
+        return self._table
 
     def layout(self) -> dict[str, PartLayout]:
         out = {"codes": PartLayout((self.split.nbytes,), torch.uint8, 1, "codes"),

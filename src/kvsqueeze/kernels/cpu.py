@@ -28,12 +28,13 @@ from types import ModuleType
 import torch
 
 from ..cache.codecs import Codec, Fp8Codec, FullCodec, IntChannelCodec, IntTokenCodec
+from ..cache.codecs_rotated import RotatedCodec
 from .dispatch import reference_attend_layer
 
 MAX_QUERIES = 16  # new tokens per step served by the fused kernel; more go to the reference
 CHUNK_TOKENS = 256  # tokens per parallel work item
 _SOURCE = Path(__file__).with_name("_csrc") / "packed_attention.cpp"
-_FP, _INT_TOKEN, _INT_CHANNEL, _FP8 = 0, 1, 2, 3
+_FP, _INT_TOKEN, _INT_CHANNEL, _FP8, _CODEBOOK = 0, 1, 2, 3, 4
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -110,14 +111,18 @@ def available() -> bool:
 
 
 def supports(layer) -> bool:
-    """Exact codec types only: calibrated codecs (permuted channels, pre-RoPE keys, ternary) use the reference."""
-    return layer.store is None or all(type(c) in _KNOWN for c in layer.store.codecs.values())
+    """Exact codec types only: calibrated codecs (permuted channels, pre-RoPE keys, ternary) and rotated codebooks
+    with a residual sign sketch use the reference."""
+    return layer.store is None or all(type(c) in _KNOWN and not getattr(c, "sketch", False)
+                                      for c in layer.store.codecs.values())
 
 
 def _fmt(codec: Codec) -> list[int]:
     """The six ints describing a codec to the kernel: kind, bits, group, symmetric, fp8 variant, fixed scale."""
     if type(codec) is FullCodec:
         return [_FP, 16, 1, 0, 0, 0]
+    if type(codec) is RotatedCodec:
+        return _codebook_side(codec)[0]
     s = codec.spec
     if type(codec) is IntTokenCodec:
         return [_INT_TOKEN, s.bits, codec.group, int(s.symmetric), 0, 0]
@@ -129,12 +134,23 @@ def _fmt(codec: Codec) -> list[int]:
 
 
 _EMPTY = torch.empty(0)
-_KNOWN = (FullCodec, IntTokenCodec, IntChannelCodec, Fp8Codec)
+_KNOWN = (FullCodec, IntTokenCodec, IntChannelCodec, Fp8Codec, RotatedCodec)
+
+
+def _codebook_side(codec: RotatedCodec, parts: dict[str, torch.Tensor] | None = None, side: str = "k"
+                   ) -> tuple[list[int], list[torch.Tensor]]:
+    """The rotated codebook kind: its six format ints (high width, high-width coordinates, low width) and, for a
+    block's parts, its three tensors (packed codes, norms, the codec's rotation + level table)."""
+    sp = codec.split
+    tensors = [] if parts is None else [parts[f"{side}.codes"], parts[f"{side}.norm"], codec.kernel_table()]
+    return [_CODEBOOK, sp.bits_hi, sp.n_hi, sp.bits_lo, 0, 0], tensors
 
 
 def _side_parts(codec: Codec, parts: dict[str, torch.Tensor], side: str) -> list[torch.Tensor]:
     if isinstance(codec, FullCodec):
         return [parts[f"{side}.x"], _EMPTY, _EMPTY]
+    if isinstance(codec, RotatedCodec):
+        return _codebook_side(codec, parts, side)[1]
     if isinstance(codec, Fp8Codec) and codec.spec.fp8_scale != "token":
         return [parts[f"{side}.codes"], codec.fixed_scale, _EMPTY]
     return [parts[f"{side}.codes"], parts[f"{side}.scale"], parts.get(f"{side}.zero", _EMPTY)]
