@@ -44,11 +44,13 @@ def main() -> int:
     p.add_argument("--rows", default="default",
                    help="'default' (full and the rotated rows), 'all' (adds KIVI at equal bits), or comma-separated "
                         "kv names of ROWS (full is always run first)")
+    p.add_argument("--no-full", action="store_true", help="skip the full-precision row (its ppl is then not "
+                   "measured and the 'vs full' column is left empty)")
     p.add_argument("--protocols", default="window,all-quantized")
     p.add_argument("--json", default=None, help="write every result here")
     args = p.parse_args()
     wanted = {"default": set(DEFAULT), "all": {r[2] for r in ROWS}}.get(args.rows, set(args.rows.split(",")))
-    rows = [r for r in ROWS if r[2] in wanted | {"full"}]
+    rows = [r for r in ROWS if r[2] in wanted | ({"full"} - ({"full"} if args.no_full else set()))]
     protocols = args.protocols.split(",")
     start = time.perf_counter()
     model, tok, threads = meta.load_for_eval(None, args.threads)
