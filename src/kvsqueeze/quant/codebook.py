@@ -165,7 +165,7 @@ def split_bits(bits: float, dim: int) -> BitSplit:
     return BitSplit(dim, lo, lo + 1, n_hi)
 
 
-def _codebooks(split: BitSplit, density: str, device: torch.device) -> tuple[Codebook, Codebook]:
+def _codebooks(split: BitSplit, density: str) -> tuple[Codebook, Codebook]:
     return lloyd_max(split.bits_hi, split.dim, density), lloyd_max(split.bits_lo, split.dim, density)
 
 
@@ -175,13 +175,13 @@ def _nearest(y: Tensor, cb: Codebook) -> Tensor:
 
 def codebook_quantize(y: Tensor, split: BitSplit, density: str = "sphere") -> Tensor:
     """Codes (uint8, [..., d]) of rotated unit vectors ``y``: nearest level of each coordinate's codebook."""
-    hi, lo = _codebooks(split, density, y.device)
+    hi, lo = _codebooks(split, density)
     return torch.cat([_nearest(y[..., :split.n_hi], hi), _nearest(y[..., split.n_hi:], lo)], dim=-1)
 
 
 def codebook_values(codes: Tensor, split: BitSplit, density: str = "sphere") -> Tensor:
     """Levels (float32) of ``codes`` [..., d]: the rotated unit vectors as stored."""
-    hi, lo = _codebooks(split, density, codes.device)
+    hi, lo = _codebooks(split, density)
     c = codes.long()
     return torch.cat([hi.levels_tensor(codes.device)[c[..., :split.n_hi]],
                       lo.levels_tensor(codes.device)[c[..., split.n_hi:]]], dim=-1)
