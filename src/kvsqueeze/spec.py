@@ -15,7 +15,8 @@ from typing import Any
 
 INT_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 PACKABLE_BITS = (1, 2, 3, 4, 8)  # bit widths with a dense uint8 packing; others are stored one code per byte
-FORMATS = ("none", "int", "fp8-e4m3", "fp8-e5m2", "ternary")
+ROT_FORMATS = ("rot", "rot-qjl")  # rotated codebook formats (docs/rotated.md); bits may be fractional
+FORMATS = ("none", "int", "fp8-e4m3", "fp8-e5m2", "ternary") + ROT_FORMATS
 AXES = ("token", "channel")
 PARAM_DTYPES = ("fp32", "fp16", "bf16", "fp8-e4m3")
 FP8_SCALES = ("tensor", "head", "token")
@@ -37,6 +38,10 @@ class QuantSpec:
     clip:         clipping ratio alpha in (0, 1]: the range used is alpha times the group's range (SKVQ).
     param_dtype:  storage dtype of scales and zero-points ("fp8-e4m3" as SKVQ does).
     fp8_scale:    for fp8 formats, scale granularity: per "tensor" (one per layer), "head" or "token".
+    "rot" / "rot-qjl": a fixed random rotation, one Lloyd-Max codebook per coordinate and the vector's L2 norm
+                  (in ``param_dtype``) per token and head (docs/rotated.md); ``bits`` in [1, 4], fractional ones
+                  (2.75, 3.25, ...) mixing two widths across rotated coordinates; "rot-qjl" adds a 1-bit sign
+                  sketch of the residual and its norm.  Per token only (axis "token", no group).
     extras:       calibrated tensors of one layer (channel permutation, per-group clip ratios, pre-RoPE
                   per-channel parameters...), set by :mod:`kvsqueeze.calibrate` artifacts; ``None`` for every
                   preset.  "ternary" (the 1.5-bit format of docs/calibrated.md) is per-token only.
@@ -55,6 +60,12 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown format {self.fmt!r}; allowed: {', '.join(FORMATS)}")
+        if self.fmt in ROT_FORMATS:
+            if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not 1 <= self.bits <= 4:
+                raise ValueError(f"{self.fmt} bits must be a number in [1, 4] (e.g. 3 or 2.75), got {self.bits!r}")
+            if self.axis != "token" or self.group is not None:
+                raise ValueError(f"the {self.fmt} format is per token over the whole head: use axis='token', "
+                                 "group=None")
         if self.fmt == "int" and self.bits not in INT_BITS:
             raise ValueError(f"unsupported bits {self.bits!r}; allowed: {', '.join(map(str, INT_BITS))}")
         if self.axis not in AXES:
@@ -97,12 +108,21 @@ class QuantSpec:
                 raise ValueError(f"3-bit codes are packed 8 per 3 bytes; head_dim {head_dim} is not a multiple of 8")
             if self.bits in (1, 2, 4) and head_dim % (8 // self.bits):
                 raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {8 // self.bits}")
+        if self.fmt in ROT_FORMATS:  # the rule of kvsqueeze.quant.codebook.split_bits (which builds the split)
+            n_hi = (self.bits - int(self.bits)) * head_dim
+            if head_dim < 8 or head_dim & (head_dim - 1):
+                raise ValueError(f"the {self.fmt} format needs a power-of-two head_dim >= 8, got {head_dim}")
+            if abs(n_hi - round(n_hi)) > 1e-9 or round(n_hi) % 8:
+                raise ValueError(f"{self.bits} bits cannot be split over head_dim {head_dim}: use a multiple of "
+                                 f"{8 / head_dim:g} bits (8 rotated coordinates at one more bit)")
 
     def label(self) -> str:
         if self.extras is not None and hasattr(self.extras, "label"):
             return self.extras.label(self)
         if self.fmt == "none":
             return "fp"
+        if self.fmt in ROT_FORMATS:
+            return f"{self.fmt}{self.bits:g}/{self.param_dtype}"
         if self.fmt == "ternary":
             g = "all" if self.group is None else str(self.group)
             clip = "" if self.clip == 1.0 else f"c{self.clip:g}"
@@ -233,6 +253,11 @@ def _fp8(fmt: str, name: str) -> CacheSpec:
     return CacheSpec(key=q, value=q, window=0, name=name)
 
 
+def _rot(key_bits: float, value_bits: float, name: str, window: int = 128, sinks: int = 4) -> CacheSpec:
+    return CacheSpec(key=QuantSpec(fmt="rot", bits=key_bits), value=QuantSpec(fmt="rot", bits=value_bits),
+                     window=window, sinks=sinks, name=name)
+
+
 PRESETS: dict[str, CacheSpec] = {
     "full": CacheSpec(name="full"),
     "int8": _per_token(8, group=64, window=0, name="int8"),
@@ -247,17 +272,25 @@ PRESETS: dict[str, CacheSpec] = {
     "kivi-4-sink4": _kivi(4, sinks=4, name="kivi-4-sink4"),
     "kivi-3-sink4": _kivi(3, sinks=4, name="kivi-3-sink4"),
     "kivi-2-sink4": _kivi(2, sinks=4, name="kivi-2-sink4"),
+    # rotated codebooks (docs/rotated.md): keys take more of the budget (their errors cost more attention
+    # quality); with one fp16 norm per 64 channels (+0.25): K 3.25 / V 2.75 = 3.0 and K 4.25 / V 2.75 = 3.5 bits
+    "rot-3": _rot(3, 2.5, "rot-3"),
+    "rot-3.5": _rot(4, 2.5, "rot-3.5"),
 }
 
-_SPEC_RE = re.compile(r"^k(?P<kb>\d)(?P<kax>[tc])(?P<kg>\d+)?-v(?P<vb>\d)(?P<vax>[tc])(?P<vg>\d+)?"
-                      r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?$")
+# one side: integer "<bits><t|c>[group]" or rotated codebook "<bits>r" / "<bits>rq" (bits may be fractional)
+_SIDE = r"(?:(?P<{p}b>\d)(?P<{p}ax>[tc])(?P<{p}g>\d+)?|(?P<{p}rb>\d(?:\.\d+)?)(?P<{p}rot>rq?))"
+_SPEC_RE = re.compile("^k" + _SIDE.format(p="k") + "-v" + _SIDE.format(p="v")
+                      + r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?$")
 
 
 def preset(name: str | CacheSpec | dict) -> CacheSpec:
     """Return the :class:`CacheSpec` for a preset name, a spec string, a dict or a CacheSpec.
 
     Spec strings describe anything not in the table: ``k2c32-v2t32-w128-s4`` means 2-bit keys per channel over
-    32-token groups, 2-bit values per token in 32-channel groups, a 128-token window and 4 sinks.  A JSON object
+    32-token groups, 2-bit values per token in 32-channel groups, a 128-token window and 4 sinks.  A side may
+    also be a rotated codebook format: ``k3r-v2.5r-w128-s4`` (3-bit rotated keys, 2.5-bit rotated values), ``rq``
+    for ``rot-qjl`` (``k2rq-...``).  A JSON object
     (string starting with ``{``) is read with :meth:`CacheSpec.from_dict`.
     """
     if isinstance(name, CacheSpec):
@@ -272,13 +305,16 @@ def preset(name: str | CacheSpec | dict) -> CacheSpec:
         return CacheSpec.from_dict(json.loads(name))
     m = _SPEC_RE.match(name)
     if m:
-        def side(b: str, ax: str, g: str | None) -> QuantSpec:
-            return QuantSpec(fmt="int", bits=int(b), axis="channel" if ax == "c" else "token",
-                             group=int(g) if g else None)
+        def side(p: str) -> QuantSpec:
+            if m[p + "rot"]:
+                b = float(m[p + "rb"])
+                return QuantSpec(fmt="rot-qjl" if m[p + "rot"] == "rq" else "rot", bits=int(b) if b == int(b) else b)
+            return QuantSpec(fmt="int", bits=int(m[p + "b"]), axis="channel" if m[p + "ax"] == "c" else "token",
+                             group=int(m[p + "g"]) if m[p + "g"] else None)
 
         return CacheSpec(
-            key=side(m["kb"], m["kax"], m["kg"]),
-            value=side(m["vb"], m["vax"], m["vg"]),
+            key=side("k"),
+            value=side("v"),
             window=int(m["w"] or 0),
             sinks=int(m["s"] or 0),
             name=name,

@@ -7,9 +7,10 @@ import dataclasses
 import torch
 
 from ..quant.extras import GroupExtras, PreRopeExtras, TransformExtras
-from ..spec import QuantSpec
+from ..spec import ROT_FORMATS, QuantSpec
 from .codecs import Codec, Fp8Codec, FullCodec, IntChannelCodec, IntTokenCodec
 from .codecs_calibrated import PermutedGroupCodec, PreRopeKeyCodec
+from .codecs_rotated import RotatedCodec
 from .codecs_transform import TransformedCodec
 
 
@@ -33,6 +34,8 @@ def make_codec(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Codec:
         return PermutedGroupCodec(spec, head_dim, ex)
     if spec.fmt == "none":
         return FullCodec(head_dim, dtype)
+    if spec.fmt in ROT_FORMATS:
+        return RotatedCodec(spec, head_dim)
     if spec.fmt == "int":
         return IntChannelCodec(spec, head_dim) if spec.axis == "channel" else IntTokenCodec(spec, head_dim)
     return Fp8Codec(spec, head_dim)

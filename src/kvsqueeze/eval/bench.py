@@ -23,7 +23,7 @@ from .retrieval import generated_haystack
 QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
 QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
 FULL_PRESETS = ("full", "int8", "fp8-e4m3", "int4", "int2", "kivi-4", "kivi-3", "kivi-2", "kivi-4-sink4",
-                "kivi-3-sink4", "kivi-2-sink4")
+                "kivi-3-sink4", "kivi-2-sink4", "rot-3.5", "rot-3")
 FULL_PEERS = tuple(PEERS)
 
 

@@ -29,13 +29,14 @@ from types import ModuleType
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
+from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
 from . import reference
 
 MAX_QUERIES = 16  # new tokens per step served by the fused kernel; more go to the reference
 CHUNK_TOKENS = 256  # tokens per parallel work item
 _SOURCE = Path(__file__).with_name("_csrc") / "packed_attention.cpp"
-_FP, _INT_TOKEN, _INT_CHANNEL, _FP8 = 0, 1, 2, 3
+_FP, _INT_TOKEN, _INT_CHANNEL, _FP8, _CODEBOOK = 0, 1, 2, 3, 4
 
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -112,12 +113,12 @@ def available() -> bool:
 
 
 def _kernel_ready(fmt: StorageFormat | None) -> bool:
-    return fmt is None or (fmt.plain and fmt.kind in ("fp", "int", "fp8"))
+    return fmt is None or (fmt.plain and fmt.kind in ("fp", "int", "fp8", "rot"))
 
 
 def supports(plan: SegmentPlan) -> bool:
-    """Plain formats only: calibrated ones (permuted channels, pre-RoPE keys, transforms, ternary) use the
-    reference."""
+    """Plain formats only: calibrated ones (permuted channels, pre-RoPE keys, transforms, ternary) and rotated
+    codebooks with a residual sign sketch use the reference."""
     return _kernel_ready(plan.key_format) and _kernel_ready(plan.value_format)
 
 
@@ -127,6 +128,9 @@ def _fmt(fmt: StorageFormat) -> list[int]:
         return [_FP, 16, 1, 0, 0, 0]
     if fmt.kind == "int":
         return [_INT_TOKEN if fmt.axis == "token" else _INT_CHANNEL, fmt.bits, fmt.group, int(fmt.symmetric), 0, 0]
+    if fmt.kind == "rot":  # high width, how many coordinates take it, low width
+        sp = split_bits(fmt.bits, fmt.head_dim)
+        return [_CODEBOOK, sp.bits_hi, sp.n_hi, sp.bits_lo, 0, 0]
     return [_FP8, 8, 1, 0, int(fmt.fp8_variant == "e5m2"), int(fmt.fixed_scale)]
 
 
@@ -137,6 +141,8 @@ def _side_parts(fmt: StorageFormat, parts: Mapping[str, torch.Tensor], shared: M
                 ) -> list[torch.Tensor]:
     if fmt.kind == "fp":
         return [parts["x"], _EMPTY, _EMPTY]
+    if fmt.kind == "rot":  # packed codes, norms, the rotation + level table
+        return [parts["codes"], parts["norm"], rotated_kernel_table(fmt.head_dim, fmt.bits)]
     if fmt.fixed_scale:
         return [parts["codes"], shared["scale"], _EMPTY]
     return [parts["codes"], parts["scale"], parts.get("zero", _EMPTY)]

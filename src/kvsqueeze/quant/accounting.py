@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..spec import PACKABLE_BITS, QuantSpec
+from ..spec import PACKABLE_BITS, ROT_FORMATS, QuantSpec
 
 _PARAM_NBYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8-e4m3": 1}
 
@@ -27,11 +27,19 @@ def bits_per_element(spec: QuantSpec, head_dim: int) -> float:
     (8 + 32/head_dim with fp32 scales, 8 + 16/head_dim with the QuantSpec default fp16).  "head" and "tensor"
     scales are shared by a whole sequence, so their per-element cost is counted as 0 (returns 8.0).
 
+    rot / rot-qjl: ``bits`` (exact for fractional widths: a split of whole widths over rotated coordinates) plus
+    one norm per token and head (+ 16/head_dim with fp16), and for rot-qjl one more bit and one more norm.
+
     "none" raises ValueError: full-precision storage is the model dtype's business (16 or 32 bits).
     """
     if not spec.quantized:
         raise ValueError("bits_per_element is undefined for fmt='none': full precision costs the model dtype's bits")
     pbits = 8 * param_nbytes(spec.param_dtype)
+    if spec.fmt in ROT_FORMATS:
+        spec.check_head_dim(head_dim)
+        # code bits, one norm per token and head; rot-qjl: one sign bit per coordinate and the residual norm
+        sketch = (1 + pbits / head_dim) if spec.fmt == "rot-qjl" else 0.0
+        return float(spec.bits) + pbits / head_dim + sketch
     if spec.fmt != "int":
         return 8.0 + (pbits / head_dim if spec.fp8_scale == "token" else 0.0)
     spec.check_head_dim(head_dim)

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..spec import QuantSpec
+from ..spec import ROT_FORMATS, QuantSpec
 from .extras import GroupExtras, PreRopeExtras, TransformExtras
 from .packing import packed_nbytes, ternary_nbytes
 from .params import param_torch_dtype
 
-KINDS = ("fp", "int", "fp8", "ternary")
+KINDS = ("fp", "int", "fp8", "ternary", "rot", "rot-qjl")
 ZERO_DOMAINS = ("float", "code")  # value = code * scale + zero (float zero) or (code - zero) * scale (code zero)
 
 
@@ -36,8 +36,10 @@ class PartLayout:
 class StorageFormat:
     """How one of keys or values is stored.
 
-    kind:         "fp" (the model's dtype as is), "int" (affine integer codes), "fp8" (scaled float8), "ternary".
-    bits:         code width (the dtype's width for "fp", 8 for "fp8", 1.6 packed for "ternary" -> reported as 2).
+    kind:         "fp" (the model's dtype as is), "int" (affine integer codes), "fp8" (scaled float8), "ternary",
+                  "rot" / "rot-qjl" (rotated Lloyd-Max codebook codes and one norm per token; docs/rotated.md).
+    bits:         code width (the dtype's width for "fp", 8 for "fp8", 1.6 packed for "ternary" -> reported as 2;
+                  fractional for "rot": a split of whole widths over the rotated coordinates).
     axis / group: "token" - parameters per token over ``group`` channels; "channel" - per channel over ``group``
                   tokens (tokens are then stored ``group`` at a time).
     symmetric:    absmax codes centred on zero, no zero-point stored.
@@ -51,7 +53,7 @@ class StorageFormat:
 
     kind: str
     head_dim: int
-    bits: int
+    bits: int | float
     param_dtype: torch.dtype | None = None
     axis: str = "token"
     group: int = 1
@@ -129,6 +131,8 @@ def storage_format(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Storag
     if isinstance(ex, GroupExtras):
         flags["permuted"] = ex.perm is not None
     pdtype = param_torch_dtype(spec.param_dtype)
+    if spec.fmt in ROT_FORMATS:
+        return StorageFormat(spec.fmt, head_dim, spec.bits, pdtype, group=head_dim, **flags)
     if spec.fmt.startswith("fp8"):
         return StorageFormat("fp8", head_dim, 8, pdtype, fp8_variant=spec.fmt[4:], fp8_scale=spec.fp8_scale,
                              **flags)

@@ -5,6 +5,9 @@
 // in parallel (flash-decoding), then the partials are merged exactly with log-sum-exp.  Codes are unpacked one
 // small tile of tokens at a time into an L1-sized float buffer, so nothing of size context x head_dim exists.
 // Per-channel keys use the algebra s = (q * scale_g) . codes + q . zero_g, so their codes are never scaled.
+// Rotated codebook layouts (kind CODEBOOK, docs/rotated.md) are read in the rotated space: queries are rotated
+// once (q R), a token's score is norm * sum_i q'_i cb[code_i] (a 2-16 entry table), values accumulate in the
+// rotated space and the merged output is rotated back once (o = o' R^T).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,7 +31,7 @@ constexpr int TILE = 32;
 constexpr int PREFETCH_BYTES = 1024;  // tokens decoded at a time
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3 };
+enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3, CODEBOOK = 4 };
 
 struct Part {  // a [B, H, rows, X] tensor, last dim contiguous; strides in bytes
   const char* ptr = nullptr;
@@ -64,6 +67,12 @@ __attribute__((always_inline)) inline float ld(at::ScalarType dt, const char* p,
 struct Fmt {
   int kind = FP, bits = 8, group = 1, sym = 0, fp8 = 0, fixed = 0;
 };
+// CODEBOOK reuses the six ints: bits = high width, group = coordinates at the high width (first), sym = low
+// width.  Its parts: x = packed codes (high run, then low run), scale = norm per token, zero = the format's
+// table [1, 1, D + 2, W]: rows 0..D-1 the rotation R (y = x R), row D the high codebook, row D+1 the low one.
+inline int cb_n_hi(const Fmt& f) { return f.group; }
+inline int cb_bits_lo(const Fmt& f) { return f.sym; }
+inline int run_per(int bits) { return bits == 3 ? 8 : 8 / bits; }  // codes per packing unit
 
 struct Side {  // how one of keys/values of a segment is stored
   Fmt f;
@@ -149,6 +158,19 @@ struct Perm {  // field-major order of one format
 Perm field_perm(const Fmt& f, int D) {
   const int per = codes_per_unit(f), U = D / per;
   Perm p;
+  if (f.kind == CODEBOOK) {  // two runs (high width, then low width), each in its own field-major order
+    p.chan.resize(D);
+    p.group.assign(D, 0);
+    p.unit_group.assign(D, 0);
+    const int runs[2][2] = {{cb_n_hi(f), f.bits}, {D - cb_n_hi(f), cb_bits_lo(f)}};
+    for (int r = 0, off = 0; r < 2; off += runs[r][0], ++r) {
+      if (runs[r][0] == 0) continue;
+      const int rp = run_per(runs[r][1]), RU = runs[r][0] / rp;
+      for (int k = 0; k < rp; ++k)
+        for (int u = 0; u < RU; ++u) p.chan[off + k * RU + u] = off + u * rp + k;
+    }
+    return p;
+  }
   p.chan.resize(D);
   p.group.resize(D);
   for (int k = 0; k < per; ++k)
@@ -280,6 +302,53 @@ inline void dequant_runs(float* __restrict o, const float* ag, const float* cg, 
     }
 }
 
+// n codes of one run through a level table, in the run's field-major order (see field_perm)
+template <int BITS>
+inline void unpack_lut(const uint8_t* __restrict src, float* __restrict dst, int n, const float* __restrict lut) {
+  if constexpr (BITS == 3) {
+    const int U = n / 8;
+    uint32_t w[64];
+    for (int u = 0; u < U; ++u)
+      w[u] = uint32_t(src[3 * u]) | (uint32_t(src[3 * u + 1]) << 8) | (uint32_t(src[3 * u + 2]) << 16);
+    for (int k = 0; k < 8; ++k)
+      for (int u = 0; u < U; ++u) dst[k * U + u] = lut[(w[u] >> (3 * k)) & 7u];
+  } else {
+    constexpr int per = 8 / BITS, mask = (1 << BITS) - 1;
+    const int U = n / per;
+    for (int k = 0; k < per; ++k)
+      for (int u = 0; u < U; ++u) dst[k * U + u] = lut[(src[u] >> (k * BITS)) & mask];
+  }
+}
+
+inline void unpack_run(int bits, const uint8_t* src, float* dst, int n, const float* lut) {
+  switch (bits) {
+    case 1: unpack_lut<1>(src, dst, n, lut); break;
+    case 2: unpack_lut<2>(src, dst, n, lut); break;
+    case 3: unpack_lut<3>(src, dst, n, lut); break;
+    default: unpack_lut<4>(src, dst, n, lut); break;
+  }
+}
+
+inline const float* table_row(const Side& sd, int r) { return reinterpret_cast<const float*>(sd.zero.row(0, 0, r)); }
+
+// Rotated codebook rows [t0, t0+n): norm * cb[code] in the rotated space, field-major order, into out[n][D].
+inline void codebook_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* out) {
+  const Fmt& f = sd.f;
+  const int nh = cb_n_hi(f), nl = D - nh, bl = cb_bits_lo(f);
+  const float* lut_hi = table_row(sd, D);
+  const float* lut_lo = table_row(sd, D + 1);
+  const int hi_bytes = nh * f.bits / 8;
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + t));
+    float* o = out + t * D;
+    if (nh) unpack_run(f.bits, src, o, nh, lut_hi);
+    if (nl) unpack_run(bl, src + hi_bytes, o + nh, nl, lut_lo);
+    const float norm = ld(sd.scale.dt, sd.scale.row(b, h, t0 + t), 0);
+#pragma omp simd
+    for (int j = 0; j < D; ++j) o[j] *= norm;
+  }
+}
+
 // Dequantized rows [t0, t0+n) of one side into out[n][D] in field-major order, or a direct pointer for fp32
 // data.  Returns the pointer to use and sets row_stride (in floats).  tmp holds 4*D floats.
 template <int DT>
@@ -297,6 +366,10 @@ const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
       const char* r = sd.x.row(b, h, t0 + t);
       for (int j = 0; j < D; ++j) out[t * D + j] = ld(sd.x.dt, r, j);
     }
+    return out;
+  }
+  if (f.kind == CODEBOOK) {
+    codebook_rows(sd, b, h, t0, n, D, out);
     return out;
   }
   if (f.kind == FP8) {
@@ -583,7 +656,7 @@ template <int DT>
 int fast_bits(const Side& sd, bool is_key) {
   const Fmt& f = sd.f;
   if (f.kind == FP) return sd.x.dt == at::kFloat ? 32 : 0;
-  if (f.kind == FP8) return 0;
+  if (f.kind == FP8 || f.kind == CODEBOOK) return 0;
   if (f.bits != 2 && f.bits != 4 && f.bits != 8) return 0;
   const int per = f.bits == 8 ? 1 : 8 / f.bits;
   if ((DT / per) % 16) return 0;
@@ -667,6 +740,7 @@ struct Ctx {
   int D;
   int64_t Hkv, rep, R, NI, W, chunk;
   const float* qp;
+  const float* qrot;  // queries rotated by the keys' codebook rotation (q R), or null
   const std::vector<Seg>* segs;
   const std::vector<Item>* items;
   const std::vector<int64_t>* seg_fmt;
@@ -704,7 +778,8 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   const TokenParams tp{sc.pa.data(), sc.pc.data()};
   // queries of this kv head, pre-scaled, in the keys' field-major order
   for (int64_t r = 0; r < R; ++r) {
-    const float* src = cx.qp + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
+    const float* qsrc = sg.k.f.kind == CODEBOOK ? cx.qrot : cx.qp;
+    const float* src = qsrc + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
     for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
   }
   // scores
@@ -862,7 +937,35 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
     vperm[seg_fmt[i]] = field_perm(segs[i].v.f, D);
   }
 
-  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), has_mask,
+  // rotated codebook layouts: their table (rotation + levels), checked once; queries rotated once for the keys
+  const Side* kcb = nullptr;
+  const Side* vcb = nullptr;
+  for (size_t i = 0; i < S; ++i) {
+    for (const Side* sd : {&segs[i].k, &segs[i].v}) {
+      if (sd->f.kind != CODEBOOK) continue;
+      const at::Tensor& tab = parts[6 * i + (sd == &segs[i].k ? 2 : 5)];
+      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
+                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
+                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
+      TORCH_CHECK(sd->f.bits >= 1 && sd->f.bits <= 4 && cb_bits_lo(sd->f) >= 1 && cb_bits_lo(sd->f) <= 4 &&
+                  cb_n_hi(sd->f) % 8 == 0 && (D - cb_n_hi(sd->f)) % 8 == 0, "bad codebook format");
+      (sd == &segs[i].k ? kcb : vcb) = sd;
+    }
+  }
+  std::vector<float> qrot;
+  if (kcb) {  // q' = q R, one D x D product per query row
+    qrot.assign(static_cast<size_t>(B * Hq * Lq * D), 0.f);
+    for (int64_t r = 0; r < B * Hq * Lq; ++r)
+      for (int i = 0; i < D; ++i) {
+        const float qi = qp[r * D + i];
+        const float* Ri = table_row(*kcb, i);
+        float* o = qrot.data() + r * D;
+#pragma omp simd
+        for (int j = 0; j < D; ++j) o[j] += qi * Ri[j];
+      }
+  }
+
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), has_mask,
          mB, mcols, ms0, ms2, ms3, mbp, mfp, kv_offset, query_start, static_cast<float>(scaling)};
   at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(D, R, chunk);
@@ -883,13 +986,23 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
       float* o = op + ((b * Hq + h * rep + r / Lq) * Lq + r % Lq) * D;
       if (std::isinf(M) && M < 0) continue;  // fully masked row -> zeros
       float L = 0.f;
+      float orot[512];  // rotated codebook values: their partials are merged in the rotated space
+      if (vcb) std::fill(orot, orot + D, 0.f);
       for (int64_t i = 0; i < NI; ++i) {
         const float* pr = part.data() + ((bh * NI + i) * R + r) * W;
         if (pr[1] == 0.f) continue;
         const float c = std::exp(pr[0] - M);
         L += c * pr[1];
-        for (int j = 0; j < D; ++j) o[j] += c * pr[2 + j];
+        float* dst = segs[items[i].seg].v.f.kind == CODEBOOK ? orot : o;
+        for (int j = 0; j < D; ++j) dst[j] += c * pr[2 + j];
       }
+      if (vcb)  // o += o' R^T, once per output row
+        for (int j = 0; j < D; ++j) {
+          const float* Rj = table_row(*vcb, j);
+          float acc = 0.f;
+          for (int i = 0; i < D; ++i) acc += orot[i] * Rj[i];
+          o[j] += acc;
+        }
       const float inv = 1.f / std::max(L, 1e-30f);
       for (int j = 0; j < D; ++j) o[j] *= inv;
     }
