@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from kvsqueeze.calibrate import CalibrationSettings, calibrate
 from kvsqueeze.calibrate.collect import CalibrationData
 from kvsqueeze.calibrate.export_vllm import KV_SCHEME, export_vllm, reload_plain
-from kvsqueeze.calibrate.vllm_fp8 import SCALE_GRID, calibrate_side, vllm_fp8_dequant
+from kvsqueeze.calibrate.vllm_fp8 import SCALE_GRID, calibrate_side, key_pair_angles, vllm_fp8_dequant
+from kvsqueeze.transforms.matrices import rope_commuting
 
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -80,11 +81,37 @@ def _tiny_dir(tmp_path, tiny_llama, tiny_tokenizer):
     return src
 
 
-def _artifact(tmp_path, tiny_llama, fmt="e4m3"):
+def _artifact(tmp_path, tiny_llama, fmt="e4m3", **kw):
     ids = torch.randint(2, 256, (2, 64), generator=torch.Generator().manual_seed(3))
     data = CalibrationData(ids, {"source": "test", "samples": 2, "length": 64})
-    art = calibrate(tiny_llama, data, CalibrationSettings(method="vllm-fp8", fp8_format=fmt), "tiny", progress=False)
+    art = calibrate(tiny_llama, data, CalibrationSettings(method="vllm-fp8", fp8_format=fmt, **kw), "tiny",
+                    progress=False)
     return art.save(tmp_path / "art")
+
+
+def test_pair_angles_minimise_the_weighted_products():
+    g = torch.Generator().manual_seed(4)
+    n, hq, hkv, length, d = 1, 2, 1, 24, 8
+    q = torch.randn(n, hq, length, d, generator=g)
+    k = torch.randn(n, hkv, length, d, generator=g)
+    k[..., 1] *= 6  # a massive channel: its pair should be turned to share it
+    phi = key_pair_angles(q, k, 0.35, steps=16)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+
+    def cost(angles):  # reference: rotate explicitly and sum a_qk * sum_c (q_c k_c)^2 per pair
+        a = rope_commuting(torch.zeros(hkv, d // 2), angles)
+        qr, kr = q @ a[0], k @ a[0]
+        att = (q @ k.transpose(-1, -2) * 0.35).masked_fill(~causal, float("-inf")).softmax(-1)
+        prod = (qr[:, :, :, None, :] * kr[:, :, None, :, :]) ** 2  # [n, hq, Lq, Lk, d]
+        per_c = (att[..., None] * prod).sum(dim=(0, 1, 2, 3))
+        return per_c[: d // 2] + per_c[d // 2:]
+
+    best = cost(phi[0][None])[0]
+    grid = torch.arange(16) * (torch.pi / 2 / 16)
+    for g_angle in grid:
+        other = cost(torch.full((1, d // 2), float(g_angle)))[0]
+        assert torch.all(best <= other * (1 + 1e-4))
+    assert phi[0, 1] > 0.3  # the massive channel's pair is turned well away from it
 
 
 def test_vllm_fp8_artifact(tmp_path, tiny_llama):
@@ -93,6 +120,7 @@ def test_vllm_fp8_artifact(tmp_path, tiny_llama):
 
     path = _artifact(tmp_path, tiny_llama)
     art = load_artifact(path)
+    assert art.transforms("key")[0][2] == "rope-commuting" and art.transforms("value")[0] is None
     assert art.method == "vllm-fp8" and art.window == 0 and art.sinks == 0
     for lay in art.layers:
         for side in ("key", "value"):
@@ -103,7 +131,7 @@ def test_vllm_fp8_artifact(tmp_path, tiny_llama):
 
 def test_export_vllm_checkpoint(tmp_path, tiny_llama, tiny_tokenizer):
     src = _tiny_dir(tmp_path, tiny_llama, tiny_tokenizer)
-    art_path = _artifact(tmp_path, tiny_llama)
+    art_path = _artifact(tmp_path, tiny_llama, rotate_keys=False)
     out = tmp_path / "vllm"
     rec = export_vllm(art_path, out, str(src), progress=False)
     cfg = json.loads((out / "config.json").read_text())
@@ -128,6 +156,14 @@ def test_export_vllm_checkpoint(tmp_path, tiny_llama, tiny_tokenizer):
     reloaded = reload_plain(out, torch.float32)
     assert torch.equal(reloaded.model.layers[1].self_attn.o_proj.weight,
                        tensors["model.layers.1.self_attn.o_proj.weight"])
+
+
+def test_export_vllm_folds_key_rotations_exactly(tmp_path, tiny_llama, tiny_tokenizer):
+    src = _tiny_dir(tmp_path, tiny_llama, tiny_tokenizer)
+    art_path = _artifact(tmp_path, tiny_llama, compensate=False)  # rotations only: the function is unchanged
+    rec = export_vllm(art_path, tmp_path / "vllm", str(src), progress=False)
+    assert rec["logits_error"]["relative_l2"] <= 1e-4
+    assert rec["unquantized_change"]["relative_l2"] <= 1e-4
 
 
 def test_export_vllm_refuses_what_vllm_cannot_store(tmp_path, tiny_llama, tiny_tokenizer):

@@ -55,6 +55,7 @@ class CalibrationSettings:
     fp8_format: str = "e4m3"  # vllm-fp8 only
     rounding: str = "truncate"  # vllm-fp8 only: the conversion of the vLLM kernels served (CPU: truncate)
     compensate: bool = True  # vllm-fp8 only
+    rotate_keys: bool = True  # vllm-fp8 only: RoPE-pair rotations of the keys, folded on export
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,7 +97,8 @@ class CalibrationSettings:
 
         vb = "1.5" if self.value_bits == 1.5 else str(int(self.value_bits))
         if self.method == "vllm-fp8":
-            parts = [model_name, "vllm-fp8", self.fp8_format, self.rounding, "comp" if self.compensate else "nocomp"]
+            parts = [model_name, "vllm-fp8", self.fp8_format, self.rounding, "comp" if self.compensate else "nocomp",
+                     "rot" if self.rotate_keys else "norot"]
             return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts))
         if self.method == "invertible":
             parts = [model_name, "invertible", self.transform, self.grouping, f"k{self.key_bits}g{g(self.key_group)}",
@@ -120,7 +122,7 @@ def calibrate_activations(acts: Activations, settings: CalibrationSettings, prog
     s = settings
     ws = {"window": s.window, "sinks": s.sinks}  # the objective sees what the cache will keep exact
     if s.method == "vllm-fp8":
-        return calibrate_vllm_fp8(acts, s.fp8_format, s.rounding, s.compensate, progress=progress)
+        return calibrate_vllm_fp8(acts, s.fp8_format, s.rounding, s.compensate, s.rotate_keys, progress=progress)
     if s.method == "invertible":
         kq, vq = grouping_quants(s.grouping, s.key_bits, s.value_bits, s.key_group, s.value_group, s.param_dtype)
         return calibrate_invertible(acts, s.transform, s.grouping, kq, vq, LearnSettings(steps=s.steps, rank=s.rank,

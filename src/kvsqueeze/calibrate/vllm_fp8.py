@@ -97,11 +97,49 @@ def _least_squares(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return (num / den).where(den > 1e-30, torch.ones_like(num))
 
 
+ANGLE_GRID = 16  # pair rotation angles tried in [0, pi/2) (a quarter turn maps the family onto itself)
+
+
+@torch.no_grad()
+def key_pair_angles(q: torch.Tensor, k: torch.Tensor, scaling: float, steps: int = ANGLE_GRID) -> torch.Tensor:
+    """Per KV head and RoPE pair, the rotation angle that spreads the score products over the pair's channels.
+
+    An fp8 key's error is relative per element, so the error of a score ``sum_c q_c k_c`` has variance
+    ``~ sum_c (q_c k_c)^2``: the more one channel carries the score, the larger.  A rotation of a RoPE pair by a
+    fixed angle commutes with RoPE (it folds into W_q and W_k exactly) and changes how a pair's product splits
+    between its two channels; for the slow pairs, which RoPE barely turns over a context, that split is nearly
+    fixed, and a massive one-channel key is split in two.  The angle minimises the attention-weighted sum of
+    squared products over the calibration tokens.  q [N, Hq, L, D], k [N, Hkv, L, D] after RoPE."""
+    n, hq, length, d = q.shape
+    hkv, half = k.shape[1], d // 2
+    rep = hq // hkv
+    kk = k.repeat_interleave(rep, dim=1).float()
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    m = torch.zeros(hkv, half, 3, 3, dtype=torch.float64)
+    for i in range(n):  # one sample at a time keeps the attention matrix small
+        qi, ki = q[i].float(), kk[i]
+        a = (qi @ ki.transpose(-1, -2) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)  # [Hq, L, L]
+        g = torch.stack([ki[..., :half] ** 2, ki[..., :half] * ki[..., half:], ki[..., half:] ** 2], -1)
+        f = torch.stack([qi[..., :half] ** 2, qi[..., :half] * qi[..., half:], qi[..., half:] ** 2], -1)
+        ag = torch.einsum("hqk,hkpc->hqpc", a, g)
+        mh = torch.einsum("hqpa,hqpb->hpab", f, ag).double()  # [Hq, half, 3, 3]
+        m += mh.view(hkv, rep, half, 3, 3).sum(1)
+    phis = torch.arange(steps, dtype=torch.float64) * (torch.pi / 2 / steps)
+    c, s = torch.cos(phis), torch.sin(phis)
+    wr = torch.stack([c * c, -2 * c * s, s * s], -1)  # weights of (x^2, xy, y^2) in the rotated real channel
+    wi = torch.stack([s * s, 2 * c * s, c * c], -1)  # ... and in the rotated imaginary channel
+    cost = (torch.einsum("ga,hpab,gb->hpg", wr, m, wr) + torch.einsum("ga,hpab,gb->hpg", wi, m, wi))
+    return phis[cost.argmin(-1)].float()
+
+
 def calibrate_vllm_fp8(acts: Any, fmt: str, rounding: str = "truncate", compensate: bool = True,
-                       progress: bool = True) -> list[dict[str, Side]]:
+                       rotate_keys: bool = True, progress: bool = True) -> list[dict[str, Side]]:
     """Artifact layers for vLLM's fp8 cache: per layer and side a plain fp8 per-tensor QuantSpec with tensors
-    ``vllm_scale`` (a scalar) and ``compensation`` [H] (ones when ``compensate`` is off)."""
+    ``vllm_scale`` (a scalar) and ``compensation`` [H] (ones when ``compensate`` is off), and with
+    ``rotate_keys`` a RoPE-commuting key transform (:func:`key_pair_angles`) that export folds into the weights."""
     from tqdm.auto import tqdm
+
+    from ..transforms.matrices import rope_commuting, rope_commuting_inverse
 
     quant = QuantSpec(fmt=f"fp8-{fmt}", fp8_scale="tensor")
     layers = []
@@ -111,14 +149,27 @@ def calibrate_vllm_fp8(acts: Any, fmt: str, rounding: str = "truncate", compensa
             layers.append({"key": none, "value": none})
             continue
         sides = {}
-        for name, x in (("key", la.k), ("value", la.v)):
+        key_extra: dict[str, torch.Tensor] = {}
+        key_info: dict[str, Any] = {}
+        k = la.k
+        if rotate_keys:
+            phi = key_pair_angles(la.q, la.k, la.scaling)
+            zero = torch.zeros_like(phi)
+            a = rope_commuting(zero.double(), phi.double())
+            k = (la.k.double() @ a[None]).float()  # rotating after RoPE = rotating before it (they commute)
+            key_extra = {"transform": a.float(), "transform_inv": rope_commuting_inverse(zero.double(),
+                                                                                         phi.double()).float()}
+            key_info = {"transform": {"family": "rope-commuting", "name": "pair-rotation"}}
+        for name, x in (("key", k), ("value", la.v)):
             cal = calibrate_side(x, fmt, rounding)
             comp = cal.compensation if compensate else torch.ones_like(cal.compensation)
+            extra = key_extra if name == "key" else {}
+            info = key_info if name == "key" else {}
             sides[name] = Side("plain", quant, {"vllm_scale": torch.tensor(cal.scale, dtype=torch.float32),
-                                                "compensation": comp.float()},
+                                                "compensation": comp.float(), **extra},
                                {"vllm_fp8": {"format": fmt, "rounding": rounding, "naive_scale": cal.naive_scale,
                                              "relative_mse": cal.mse, "naive_relative_mse": cal.naive_mse,
-                                             "compensated": compensate}})
+                                             "compensated": compensate}, **info})
         layers.append(sides)
     return layers
 

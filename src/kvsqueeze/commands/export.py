@@ -90,6 +90,8 @@ def _vllm_check(path: Path, ids: list[int]) -> dict[str, Any]:
     except vllm_client.VllmError as exc:
         if "AVX-512" not in str(exc):
             raise
+        if exc.log is not None:  # an expected refusal: its log is not worth keeping
+            exc.log.unlink(missing_ok=True)
         # a kv_cache_scheme makes vLLM use its fp8 cache whatever kv_cache_dtype says: check the weights through a
         # copy without it, in vLLM's unquantized cache
         note = ("vLLM's fp8 cache needs AVX-512 or AMX on a CPU, which this one lacks: the weights were checked "

@@ -33,7 +33,12 @@ TIMEOUT_S = 3600
 
 
 class VllmError(KvsqueezeError):
-    """vLLM refused a request (a KV dtype it rejects, a model it cannot load) or its process failed."""
+    """vLLM refused a request (a KV dtype it rejects, a model it cannot load) or its process failed; ``log`` is
+    vLLM's log of the attempt."""
+
+    def __init__(self, message: str, log: Path | None = None) -> None:
+        super().__init__(message)
+        self.log = log
 
 
 @functools.cache
@@ -102,7 +107,7 @@ def run_task(request: dict[str, Any], threads: int = 1, log: Path | None = None,
         error = result.get("error") or ""
         if "Engine core initialization failed" in error:  # the cause is in the engine process's log
             error = _root_cause(log_path) or error
-        raise VllmError(f"vLLM refused the {request['task']} task: {error} (log: {log_path})")
+        raise VllmError(f"vLLM refused the {request['task']} task: {error} (log: {log_path})", log_path)
     if log is None:
         log_path.unlink(missing_ok=True)
     return result
