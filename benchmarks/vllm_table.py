@@ -52,18 +52,23 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--export", action="append", default=[], metavar="FMT=DIR",
                    help="an exported checkpoint (kvsqueeze export --vllm) and the fp8 format it was calibrated for")
+    p.add_argument("--unquantized", action="append", default=[], metavar="DIR",
+                   help="also score this exported checkpoint with an unquantized cache (emulated rows)")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-vllm", action="store_true", help="emulated rows only")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args()
-    exports = {}
+    exports = []  # (label, fmt, path)
     for item in args.export:
         fmt, _, path = item.partition("=")
-        if fmt not in FP8_MAX or not Path(path, "config.json").is_file():
+        if fmt not in FP8_MAX or not Path(path, "kvsqueeze_export.json").is_file():
             raise SystemExit(f"--export takes e4m3=DIR or e5m2=DIR with an exported checkpoint, got {item!r}")
-        exports[fmt] = Path(path)
+        st = json.loads(Path(path, "kvsqueeze_export.json").read_text())["settings"]
+        parts = [p for p, on in (("compensated", st.get("compensate")), ("key rotations", st.get("rotate_keys")))
+                 if on]
+        exports.append((f"export {fmt} ({' + '.join(parts) or 'scales only'})", fmt, Path(path)))
     threads = set_threads(args.threads)
     model, tok = load_model(progress=False)
     ids = corpus_mod.tokenize(corpus_mod.resolve_corpus(None, "wikitext2"), tok)
@@ -72,20 +77,29 @@ def main() -> int:
 
     def add(engine: str, model_name: str, cache: str, ppl: float | None, note: str = "") -> None:
         rows.append({"engine": engine, "model": model_name, "cache": cache, "ppl": ppl, "note": note})
-        print(f"  {engine:9s} {model_name:22s} {cache:34s} {'' if ppl is None else f'{ppl:.3f}'} {note}",
+        print(f"  {engine:9s} {model_name:44s} {cache:30s} {'' if ppl is None else f'{ppl:.3f}'} {note}",
               file=sys.stderr, flush=True)
 
     print(f"vllm_table: {args.chunks} x {args.context} WikiText-2 tokens, {threads} threads", file=sys.stderr)
     # ---- vLLM itself
     if not args.no_vllm and vllm_client.vllm_python() is not None:
         targets = [("original", None, d) for d in ("auto", "fp8_e4m3", "fp8_e5m2")]
-        targets += [(f"export {fmt}", str(path), f"fp8_{fmt}") for fmt, path in exports.items()]
+        targets += [(label, str(path), f"fp8_{fmt}") for label, fmt, path in exports]
+        no_fp8 = ""  # vLLM's reason for refusing fp8 on this CPU, once known
         for name, source, dtype in targets:
+            if no_fp8 and dtype.startswith("fp8"):
+                add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {no_fp8}")
+                continue
             try:
                 r = run_ppl(VllmPeer(dtype), chunks, source, threads)
                 add("vllm", name, f"kv_cache_dtype={dtype}", r["ppl"], r["engine"])
             except KvsqueezeError as exc:
-                add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {str(exc).split(' (log:')[0]}")
+                reason = str(exc).split(" (log:")[0].split("task: ")[-1]
+                if "AVX-512" in reason:
+                    no_fp8 = reason
+                    if getattr(exc, "log", None) is not None:
+                        exc.log.unlink(missing_ok=True)
+                add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {reason}")
     elif not args.no_vllm:
         add("vllm", "-", "-", None, "vLLM is not installed (README: vLLM)")
     # ---- emulation of vLLM's CPU fp8 cache in transformers
@@ -96,13 +110,14 @@ def main() -> int:
             add("emulated", "original", f"fp8_{fmt}, scales 1.0",
                 _ppl(emulated_nll(model, chunks, fmt)))
         k, v = _naive_scales(model, chunks, "e4m3")
-        add("emulated", "original", "fp8_e4m3, absmax/448 scales", _ppl(emulated_nll(model, chunks, "e4m3", k, v)))
-        for fmt, path in exports.items():
+        add("emulated", "original", "fp8_e4m3, absmax/448 scales (chunk 1)", _ppl(emulated_nll(model, chunks, "e4m3", k, v)))
+        for label, fmt, path in exports:
             rec = json.loads((path / "kvsqueeze_export.json").read_text())
             exported = reload_plain(path, torch.float32)
-            add("emulated", f"export {fmt}", f"fp8_{fmt}, calibrated scales",
+            add("emulated", label, f"fp8_{fmt}, calibrated scales",
                 _ppl(emulated_nll(exported, chunks, fmt, rec["k_scale"], rec["v_scale"])))
-            add("emulated", f"export {fmt}", "unquantized", _ppl(emulated_nll(exported, chunks, None)))
+            if any(Path(u).resolve() == path.resolve() for u in args.unquantized):
+                add("emulated", label, "unquantized", _ppl(emulated_nll(exported, chunks, None)))
             del exported
         print(f"  emulated rows: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     # ---- the table
