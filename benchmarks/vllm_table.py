@@ -96,7 +96,7 @@ def main() -> int:
             except KvsqueezeError as exc:
                 reason = str(exc).split(" (log:")[0].split("task: ")[-1]
                 if "AVX-512" in reason:
-                    no_fp8 = reason
+                    no_fp8 = "vLLM's fp8 cache cannot run on this CPU: " + reason.split("on this CPU: ")[-1]
                     if getattr(exc, "log", None) is not None:
                         exc.log.unlink(missing_ok=True)
                 add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {reason}")
