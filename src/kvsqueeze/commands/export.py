@@ -47,11 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_vllm(args: argparse.Namespace, artifact: str) -> int:
-    from kvsqueeze.artifact import load_artifact
-    from kvsqueeze.calibrate.export_vllm import export_vllm, vllm_representable
+    from kvsqueeze.calibrate.export_vllm import export_vllm
     from kvsqueeze.engines import vllm_client
 
-    vllm_representable(load_artifact(artifact))  # refused in one line before any model is loaded
+    # export_vllm refuses what vLLM cannot represent in one line, before the model is loaded
     check = _vllm_check if vllm_client.vllm_python() is not None else None
     rec = export_vllm(artifact, args.vllm, args.model, overwrite=args.overwrite, progress=not args.quiet, check=check)
     e, u = rec["logits_error"], rec["unquantized_change"]
