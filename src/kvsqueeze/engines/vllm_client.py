@@ -130,13 +130,8 @@ def _last_line(path: Path) -> str:
     return lines[-1][:300] if lines else "no output"
 
 
-@functools.cache
-def accepted_kv_dtypes(python: str) -> tuple[str, ...]:
-    """The KV cache dtypes this vLLM accepts (asked of vLLM itself, once per interpreter)."""
-    return tuple(run_task({"task": "info"}, threads=1)["kv_cache_dtypes"])
-
-
 def info() -> dict[str, Any]:
+    """vLLM's version and the KV cache dtypes it accepts (no model is loaded)."""
     return run_task({"task": "info"}, threads=1)
 
 

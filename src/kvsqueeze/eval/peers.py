@@ -227,9 +227,6 @@ def describe(names: Iterable[str]) -> list[dict[str, Any]]:
     out = []
     for n in names:
         kv = resolve_kv(n)
-        if vllm_peer.is_vllm(kv):
-            out.append({"name": n, "kind": "peer", **kv.settings()})
-            continue
-        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer)
+        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer) or vllm_peer.is_vllm(kv)
                    else {"name": n, "kind": "preset", "spec": kv.to_dict(), "label": kv.label()})
     return out
