@@ -98,5 +98,7 @@ def test_vllm_rejects_a_dtype_its_cpu_backend_lacks(tmp_path, tiny_llama, tiny_t
     src = tmp_path / "tiny"
     tiny_llama.save_pretrained(src)
     tiny_tokenizer.save_pretrained(src)
-    with pytest.raises(vllm_client.VllmError, match="int8_per_token_head"):
+    with pytest.raises(vllm_client.VllmError, match="int8_per_token_head") as err:
         vllm_client.prompt_nll(src, "int8_per_token_head", [[3, 4, 5, 6]])
+    assert "not implemented by vLLM's CPU attention backend" in str(err.value)
+    err.value.log.unlink(missing_ok=True)
