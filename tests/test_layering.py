@@ -20,6 +20,7 @@ ROOT = Path(kvsqueeze.__file__).parent
 # part -> layer rank (the first dotted component under kvsqueeze; modules and sub-packages alike)
 RANKS = {
     "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0,
+    "external": 1,
     "spec": 1, "rope": 1, "layout": 1, "corpus": 1, "models": 1, "transforms": 1,
     "quant": 2,
     "artifact": 3, "resolve": 4,

@@ -49,6 +49,7 @@ class FakePeer:
 def no_peers(monkeypatch):
     """An empty registry for this test (kvsqueeze.eval.peers may have registered transformers' caches)."""
     monkeypatch.setattr(resolve, "_PEERS", {})
+    monkeypatch.setattr(resolve, "_FAMILIES", {})
 
 
 def _artifact(parent: Path, name: str, layers: int = 2, heads: int = 2, head_dim: int = 64) -> Path:
@@ -259,3 +260,22 @@ def test_nothing_but_the_resolver_parses_user_cache_names():
                     "preset", "load_artifact", "check_kv"):
                 callers.append(f"{path.name}:{node.lineno}")
     assert callers == []
+
+
+def test_a_peer_family_resolves_names_with_a_parameter(no_peers):
+    made = {}
+
+    def make(name: str) -> FakePeer:
+        if name == "fam:bad":
+            raise UnknownCacheError("unknown fam value 'bad'; allowed: fam:x")
+        return made.setdefault(name, FakePeer(name))
+
+    resolve.register_peer_family("fam:", make)
+    assert resolve_kv("fam:x") is made["fam:x"]
+    assert "a peer (fam:...)" in resolve.allowed_kv()
+    with pytest.raises(UnknownCacheError, match=r"^unknown fam value 'bad'; allowed: fam:x$"):
+        resolve_kv("fam:bad")
+    with pytest.raises(UnsupportedCacheError, match="is a peer"):
+        resolve.resolve_cache_spec("fam:x")
+    with pytest.raises(KvsqueezeError, match="ends with ':'"):
+        resolve.register_peer_family("fam", make)

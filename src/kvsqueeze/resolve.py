@@ -59,6 +59,7 @@ class RegisteredPeer(Protocol):
 
 Resolved = CacheSpec | RegisteredPeer
 _PEERS: dict[str, RegisteredPeer] = {}
+_FAMILIES: dict[str, Any] = {}  # name prefix -> callable(name) -> peer, for peers named by a parameter
 
 
 # ------------------------------------------------------------------------------------------------ peers
@@ -76,6 +77,14 @@ def register_peer(peer: RegisteredPeer) -> None:
 def unregister_peer(name: str) -> None:
     """Forget the peer called ``name`` (no error when there is none)."""
     _PEERS.pop(name, None)
+
+
+def register_peer_family(prefix: str, make: Any) -> None:
+    """Make every name starting with ``prefix`` (e.g. ``vllm:``) resolve to ``make(name)``, a peer, for peers
+    whose name carries a parameter; ``make`` raises a KvsqueezeError naming the allowed values otherwise."""
+    if not prefix or not prefix.endswith(":"):
+        raise KvsqueezeError(f"a peer family's prefix ends with ':', got {prefix!r}")
+    _FAMILIES[prefix] = make
 
 
 def registered_peers() -> dict[str, RegisteredPeer]:
@@ -112,6 +121,9 @@ def resolve_kv(x: Any) -> Resolved:
                                 f"{type(x).__name__}; {allowed_kv()}")
     if x in _PEERS:
         return _available(_PEERS[x])
+    family = next((make for prefix, make in _FAMILIES.items() if x.startswith(prefix)), None)
+    if family is not None:
+        return _available(family(x))
     if x in PRESETS:
         return PRESETS[x]
     if x.lstrip().startswith("{"):
@@ -137,7 +149,7 @@ def resolve_kv(x: Any) -> Resolved:
 def resolve_cache_spec(x: Any, user: str = "QuantizedCache") -> CacheSpec:
     """:func:`resolve_kv` for code that builds kvsqueeze's own cache: a peer's name is refused (``user`` says who
     refuses it), before its optional library is even looked for."""
-    if isinstance(x, str) and x in _PEERS:
+    if isinstance(x, str) and (x in _PEERS or any(x.startswith(p) for p in _FAMILIES)):
         raise UnsupportedCacheError(
             f"{x!r} is a peer (another library's cache, measured by kvsqueeze ppl / speed / retrieval / "
             f"bench); {user} builds kvsqueeze's own caches only: use a preset, a spec string like "
@@ -150,7 +162,8 @@ def resolve_cache_spec(x: Any, user: str = "QuantizedCache") -> CacheSpec:
 
 def allowed_kv() -> str:
     """What a cache may be named by, with today's presets and registered peers."""
-    peers = ", ".join(_PEERS) or "none registered (import kvsqueeze.eval.peers for transformers' caches)"
+    peers = ", ".join([*_PEERS, *(f"{p}..." for p in _FAMILIES)]) or (
+        "none registered (import kvsqueeze.eval.peers for transformers' caches)")
     return (f"allowed: a preset ({', '.join(PRESETS)}); a peer ({peers}); a spec string like "
             f"'{SPEC_STRING_EXAMPLE}' or its JSON form; or a calibration artifact directory (or a folder holding "
             f"exactly one)")

@@ -20,14 +20,17 @@ from .invertible import (
 )
 from .kvquant import calibrate_kvquant_keys
 from .skvq import calibrate_skvq, side_quant
+from .vllm_fp8 import FP8_FORMATS, ROUNDINGS, calibrate_vllm_fp8
 
-METHODS = ("skvq", "kvquant", "hybrid", "invertible")
+METHODS = ("skvq", "kvquant", "hybrid", "invertible", "vllm-fp8")
 METHOD_HELP = {"skvq": "SKVQ: reordered per-token groups, searched clip ratios, fp8 group parameters",
                "kvquant": "KVQuant-style: pre-RoPE per-channel keys with static ranges and sparse outliers; "
                           "per-token values",
                "hybrid": "KVQuant-style keys with SKVQ values",
                "invertible": "learned invertible key/value transforms (keys RoPE-commuting or online) folded into "
-                             "the attention weights, with a per-token, KIVI or SKVQ grouping"}
+                             "the attention weights, with a per-token, KIVI or SKVQ grouping",
+               "vllm-fp8": "vLLM's fp8 KV cache: per-layer k_scale/v_scale from an MSE grid search and per-head "
+                           "compensation of vLLM's truncating fp8 conversion, for kvsqueeze export --vllm"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class CalibrationSettings:
     steps: int = 150
     rank: int = 8
     seed: int = 0
+    fp8_format: str = "e4m3"  # vllm-fp8 only
+    rounding: str = "truncate"  # vllm-fp8 only: the conversion of the vLLM kernels served (CPU: truncate)
+    compensate: bool = True  # vllm-fp8 only
+    rotate_keys: bool = True  # vllm-fp8 only: RoPE-pair rotations of the keys, folded on export
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,6 +76,10 @@ class CalibrationSettings:
             raise ValueError(f"unknown grouping {self.grouping!r}; allowed: {', '.join(GROUPINGS)}")
         if self.steps < 0 or self.rank < 0:
             raise ValueError(f"--steps and --rank must be non-negative, got {self.steps} and {self.rank}")
+        if self.fp8_format not in FP8_FORMATS:
+            raise ValueError(f"unknown fp8 format {self.fp8_format!r}; allowed: {', '.join(FP8_FORMATS)}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r}; allowed: {', '.join(ROUNDINGS)}")
         if self.method == "invertible" and self.value_bits == 1.5 and self.grouping != "skvq":
             raise ValueError("1.5-bit (ternary) values need --grouping skvq")
 
@@ -85,6 +96,10 @@ class CalibrationSettings:
             return "all" if x is None else str(x)
 
         vb = "1.5" if self.value_bits == 1.5 else str(int(self.value_bits))
+        if self.method == "vllm-fp8":
+            parts = [model_name, "vllm-fp8", self.fp8_format, self.rounding, "comp" if self.compensate else "nocomp",
+                     "rot" if self.rotate_keys else "norot"]
+            return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts))
         if self.method == "invertible":
             parts = [model_name, "invertible", self.transform, self.grouping, f"k{self.key_bits}g{g(self.key_group)}",
                      f"v{vb}g{g(self.value_group)}", self.param_dtype.replace("-e4m3", ""), f"w{self.window}",
@@ -106,6 +121,8 @@ def calibrate_activations(acts: Activations, settings: CalibrationSettings, prog
                           ) -> list[dict[str, Side]]:
     s = settings
     ws = {"window": s.window, "sinks": s.sinks}  # the objective sees what the cache will keep exact
+    if s.method == "vllm-fp8":
+        return calibrate_vllm_fp8(acts, s.fp8_format, s.rounding, s.compensate, s.rotate_keys, progress=progress)
     if s.method == "invertible":
         kq, vq = grouping_quants(s.grouping, s.key_bits, s.value_bits, s.key_group, s.value_group, s.param_dtype)
         return calibrate_invertible(acts, s.transform, s.grouping, kq, vq, LearnSettings(steps=s.steps, rank=s.rank,
@@ -138,8 +155,9 @@ def calibrate(model: Any, data: CalibrationData, settings: CalibrationSettings, 
                   "num_heads": layout.num_heads, "head_dim": layout.head_dim,
                   "rope_theta": getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {})
                   .get("rope_theta")}
+    exact = (0, 0) if settings.method == "vllm-fp8" else (settings.window, settings.sinks)  # vLLM keeps none
     return Artifact(method=settings.method, name=settings.name(model_name), model=model_info,
-                    window=settings.window, sinks=settings.sinks, calibration=data.provenance,
+                    window=exact[0], sinks=exact[1], calibration=data.provenance,
                     settings={k: getattr(settings, k) for k in settings.__dataclass_fields__},
                     layers=layers, rope={"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling})
 

@@ -49,6 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outliers", type=int, default=1,
                    help="KVQuant keys: channels per token and head kept exactly (default 1 = 1/64 of values)")
     p.add_argument("--nuq", action="store_true", help="KVQuant keys: non-uniform per-layer codebooks")
+    p.add_argument("--fp8-format", default="e4m3", choices=["e4m3", "e5m2"],
+                   help="vllm-fp8: the fp8 format vLLM will serve with (--kv-cache-dtype fp8_e4m3 or fp8_e5m2)")
+    p.add_argument("--rounding", default="truncate", choices=["truncate", "nearest"],
+                   help="vllm-fp8: how the serving vLLM converts to fp8 (truncate: its CPU kernels; nearest: "
+                        "round-to-nearest-even kernels)")
+    p.add_argument("--no-compensation", action="store_true",
+                   help="vllm-fp8: scales only, no compensation of the fp8 conversion's bias")
+    p.add_argument("--no-key-rotation", action="store_true",
+                   help="vllm-fp8: no RoPE-pair rotations of the keys (folded into W_q/W_k on export)")
     p.add_argument("--window", type=int, default=128, help="full-precision window of the artifact (default 128)")
     p.add_argument("--sinks", type=int, default=4, help="full-precision sink tokens (default 4)")
     p.add_argument("--out", required=True, help="parent folder: the artifact is written to OUT/<name of settings> "
@@ -82,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         method=args.method, key_bits=key_bits, value_bits=value_bits, key_group=pick("key_group"),
         value_group=pick("value_group"), param_dtype=pick("param_dtype"), reorder=not args.no_reorder, clip=args.clip,
         outliers=args.outliers, nuq=args.nuq, window=args.window, sinks=args.sinks, transform=args.transform,
-        grouping=args.grouping, steps=args.steps, rank=args.rank, seed=args.seed)
+        grouping=args.grouping, steps=args.steps, rank=args.rank, seed=args.seed, fp8_format=args.fp8_format,
+        rounding=args.rounding, compensate=not args.no_compensation, rotate_keys=not args.no_key_rotation)
     corpus = None if args.generated else corpus_mod.resolve_corpus(args.text, args.dataset)
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
     progress = not args.quiet

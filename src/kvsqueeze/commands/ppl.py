@@ -14,8 +14,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="tokens per chunk (default 1024)")
     p.add_argument("--chunks", type=int, default=4, help="consecutive chunks from the corpus start (default 4)")
     p.add_argument("--protocol", default=None, choices=["decode", "window", "all-quantized"],
-                   help="which K/V each scored token sees (default: window for presets, decode for peers, "
-                        "which only decode can measure)")
+                   help="which K/V each scored token sees (default: window for presets, decode for transformers' "
+                        "caches, which only decode can measure, all-quantized for vllm:*, which only it can)")
     p.add_argument("--prefix", type=int, default=None,
                    help="tokens prefilled exactly before scoring (default: context/2 for decode, 0 for window)")
     _options.add_json(p, "the full result")
@@ -25,14 +25,14 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from kvsqueeze import corpus as corpus_mod
-    from kvsqueeze.eval import meta
+    from kvsqueeze.eval import meta, vllm_peer
     from kvsqueeze.eval.ppl import check_protocol, default_prefix, run_ppl
     from kvsqueeze.resolve import is_peer
 
     start = time.perf_counter()
     # everything that can be checked without the model fails here, before anything is loaded
     kv = _options.resolve_kv_option(args.kv)
-    protocol = args.protocol or ("decode" if is_peer(kv) else "window")
+    protocol = args.protocol or ("all-quantized" if vllm_peer.is_vllm(kv) else "decode" if is_peer(kv) else "window")
     prefix = default_prefix(protocol, args.context) if args.prefix is None else args.prefix
     check_protocol(kv, protocol, prefix, args.context)
     if args.chunks < 1:
@@ -45,12 +45,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}), {args.chunks} x {args.context} "
           f"tokens of {corpus.name}, {threads} threads")
     print(f"corpus {corpus_mod.summary(corpus)}; found by: {'; '.join(corpus.resolution)}")
-    res = run_ppl(model, chunks, args.kv, protocol, prefix)
+    if vllm_peer.is_vllm(kv):
+        res = vllm_peer.run_ppl(kv, chunks, args.model, threads)
+    else:
+        res = run_ppl(model, chunks, args.kv, protocol, prefix)
     wall = time.perf_counter() - start
-    b = res["kv_bytes"]
-    bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
-    print(f"ppl {res['ppl']:.4f} over {res['tokens_scored']} tokens ({res['scored_positions']}); "
-          f"{bits} bits/element with all metadata, {b['bytes_per_token']:.0f} KV bytes/token; "
+    b = res.get("kv_bytes")
+    if b is None:  # vLLM's paged cache: bits per element from its dtype
+        bits = "n/a" if res["bits_per_element"] is None else f"{res['bits_per_element']:g}"
+        size = f"{bits} bits/element ({res['engine']})"
+    else:
+        bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
+        size = f"{bits} bits/element with all metadata, {b['bytes_per_token']:.0f} KV bytes/token"
+    print(f"ppl {res['ppl']:.4f} over {res['tokens_scored']} tokens ({res['scored_positions']}); {size}; "
           f"{wall:.1f} s")
     if args.json:
         record = {

@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
     from kvsqueeze.eval.speed import lifetime_max_rss, measure_speed
 
     start = time.perf_counter()
-    _options.resolve_kv_option(args.kv)
+    from kvsqueeze.eval import vllm_peer
+
+    kv = _options.resolve_kv_option(args.kv)
     for what, v in (("--context", args.context), ("--decode-tokens", args.decode_tokens), ("--batch", args.batch)):
         if v < 1:
             raise ValueError(f"{what} must be at least 1, got {v}")
@@ -32,6 +34,16 @@ def run(args: argparse.Namespace) -> int:
     meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
           f"steps, {threads} threads")
+    if vllm_peer.is_vllm(kv):
+        vocab = model.get_output_embeddings().weight.shape[0]
+        r = vllm_peer.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads)
+        print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
+              f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, in its own process)")
+        if args.json:
+            _options.write_json(args, {**r, "cache": describe([args.kv])[0], "model": meta.model_info(model, args.model),
+                                       "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
+                                       "date": meta.now(), "machine": meta.machine_info()})
+        return 0
     r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch)
     b = r["kv_bytes"]
     bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"

@@ -15,10 +15,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..errors import UnsupportedCacheError
 from ..resolve import resolve_kv
 from . import meta, report
 from .peers import PEERS, Peer, describe
 from .retrieval import generated_haystack
+from .vllm_peer import is_vllm
 
 QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
 QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
@@ -69,7 +71,10 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
             setattr(plan, key, value)
     if caches is not None:
         for name in caches:
-            resolve_kv(name)
+            if is_vllm(resolve_kv(name)):
+                raise UnsupportedCacheError(
+                    f"bench does not run {name} yet (its report reads the bytes of an in-process cache): measure "
+                    f"vLLM's caches with kvsqueeze ppl / speed --kv {name}, or benchmarks/vllm_table.py")
         plan.caches = list(dict.fromkeys(caches))
     else:
         usable = []

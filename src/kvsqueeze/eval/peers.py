@@ -9,6 +9,7 @@ Importing this module registers them with :func:`kvsqueeze.resolve.register_peer
   channels).  ``-axis1`` variants quantize keys and values on quanto's axis -1 (per-channel, over groups of 64
   consecutive tokens of the flattened batch x heads x tokens axis).
 * ``hf-fp8``: ``transformers.QuantizedCache(backend="fp8")``: float8-e4m3 with one scale per layer tensor.
+* ``vllm:<kv_cache_dtype>``: vLLM's own cache, run in a child process (:mod:`kvsqueeze.eval.vllm_peer`).
 
 Bytes are counted from what the peer really stores (quanto's packed codes, its scales and shifts in the model
 dtype, the full-precision residual), never from a formula.  The only module reading the peers' internals.
@@ -27,6 +28,7 @@ import torch
 from ..cache.accounting import ByteTotals
 from ..resolve import register_peer, resolve_kv
 from ..spec import CacheSpec
+from . import vllm_peer  # noqa: F401  (registers the vllm:<kv_cache_dtype> peers)
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,6 @@ def describe(names: Iterable[str]) -> list[dict[str, Any]]:
     out = []
     for n in names:
         kv = resolve_kv(n)
-        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer)
+        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer) or vllm_peer.is_vllm(kv)
                    else {"name": n, "kind": "preset", "spec": kv.to_dict(), "label": kv.label()})
     return out

@@ -1,0 +1,138 @@
+"""The vLLM side of the vLLM peer: a script run in its own process by the interpreter that has vLLM.
+
+vLLM pins its own torch and transformers, so this file imports nothing from kvsqueeze (and nothing but the
+standard library before vLLM): ``kvsqueeze.external.vllm_client`` runs it by path as ``PYTHON vllm_worker.py
+REQUEST.json RESULT.json``.  The request names one task on one engine:
+
+* ``info``: vLLM's version and the KV cache dtypes it accepts (no model is loaded);
+* ``logprobs``: every prompt token's log-probability (``prompt_logprobs``) for prompts given as token ids;
+* ``speed``: prefill seconds and decode milliseconds per token of random prompts given as token ids.
+
+The result is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>"}``; vLLM's own log goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import typing
+
+
+def _accepted_kv_dtypes() -> list[str]:
+    from vllm.config.cache import CacheDType
+
+    return list(typing.get_args(CacheDType))
+
+
+def _check_cpu_backend(kv_cache_dtype: str) -> None:
+    """vLLM's config accepts dtypes that its CPU attention backend does not implement (some then run through
+    other paths and give broken perplexity): refuse those on a CPU."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    supported = list(CPUAttentionBackend.supported_kv_cache_dtypes)
+    if kv_cache_dtype not in supported:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not implemented by vLLM's CPU attention backend; "
+                         f"allowed on a CPU: {', '.join(supported)}")
+    # the ISA check vLLM makes in its engine process (whose failure reaches us only as "initialization failed")
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.bfloat16, 32, None, kv_cache_dtype)
+    except NotImplementedError as exc:
+        raise ValueError(f"vLLM cannot run kv_cache_dtype {kv_cache_dtype!r} on this CPU: {exc}") from None
+
+
+def _engine(req: dict):
+    from vllm import LLM
+
+    if req["kv_cache_dtype"] not in _accepted_kv_dtypes():
+        raise ValueError(f"vLLM does not accept kv_cache_dtype {req['kv_cache_dtype']!r}; allowed: "
+                         f"{', '.join(_accepted_kv_dtypes())}")
+    _check_cpu_backend(req["kv_cache_dtype"])
+
+    kwargs = {"model": req["model"], "tokenizer": req["model"], "dtype": req.get("dtype", "bfloat16"),
+              "kv_cache_dtype": req["kv_cache_dtype"], "max_model_len": int(req["max_model_len"]),
+              "seed": 0, "enforce_eager": True, "enable_prefix_caching": False,
+              "max_num_seqs": int(req.get("max_num_seqs", 8))}
+    if req.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(req["max_num_batched_tokens"])
+    return LLM(**kwargs)
+
+
+def _prompts(rows: list[list[int]]) -> list[dict]:
+    return [{"prompt_token_ids": [int(t) for t in row]} for row in rows]
+
+
+def task_logprobs(req: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = _engine(req)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate(_prompts(req["prompts"]), params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    rows = []
+    for row, out in zip(req["prompts"], outs):
+        lps = out.prompt_logprobs
+        # position j holds the log-probability of token j given tokens < j (None at position 0)
+        rows.append([-float(lps[j][int(row[j])].logprob) for j in range(1, len(row))])
+    return {"nll": rows, "seconds": seconds}
+
+
+def task_speed(req: dict) -> dict:
+    from vllm import SamplingParams
+
+    llm = _engine(req)
+    prompts = _prompts(req["prompts"])
+    decode = int(req["decode_tokens"])
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    many = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(_prompts([p["prompt_token_ids"][:8] for p in prompts]), one, use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    llm.generate(prompts, many, use_tqdm=False)
+    total = time.perf_counter() - t
+    return {"prefill_s": prefill, "generate_s": total,
+            "decode_ms_per_token": 1000 * max(total - prefill, 0.0) / decode}
+
+
+TASKS = {"logprobs": task_logprobs, "speed": task_speed}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage: vllm_worker.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    req = json.loads(open(argv[1], encoding="utf-8").read())
+    try:
+        import vllm
+
+        result = {"ok": True, "vllm_version": vllm.__version__}
+        if req["task"] == "info":
+            result["kv_cache_dtypes"] = _accepted_kv_dtypes()
+        else:
+            result |= TASKS[req["task"]](req)
+    except Exception as exc:  # reported to the client as one line; vLLM's traceback stays on stderr
+        import traceback
+
+        traceback.print_exc()
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        result = {"ok": False, "error": msg[:600]}
+    tmp = argv[2] + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, argv[2])
+    return 0
+
+
+if __name__ == "__main__":  # vLLM starts its engine core in a child process: guard the entry point
+    sys.exit(main(sys.argv))
