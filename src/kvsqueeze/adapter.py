@@ -30,6 +30,7 @@ from transformers.modeling_utils import AttentionInterface
 from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
 from .kernels.dispatch import check_backend, resolve
+from .kernels.reference import attend_segments
 from .layout import kv_layout
 from .resolve import resolve_cache_spec
 from .spec import CacheSpec
@@ -46,8 +47,12 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
     try:
-        if layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
+        if softcap is not None:  # attention-logit soft-capping (Gemma-2): only the reference kernel applies it
+            out = attend_segments(query, layer.segments(), attention_mask, scaling, kv_offset=layer.first_visible,
+                                  query_start=layer.n_total, softcap=softcap)
+        elif layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
             if layer.attend is None:

@@ -22,6 +22,7 @@ def attend_segments(
     scaling: float,
     kv_offset: int = 0,
     query_start: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over the segments; returns [B, Hq, Lq, D] in the query's dtype.
 
@@ -29,6 +30,7 @@ def attend_segments(
                  absolute positions minus ``kv_offset``; or None, meaning every stored token is visible and the
                  new tokens are causal among themselves.
     query_start: absolute position of the first query (needed only when mask is None).
+    softcap:     attention-logit soft-capping (Gemma-2): scores become ``softcap * tanh(scores / softcap)``.
     """
     b, hq, lq, d = query.shape
     q = None
@@ -46,6 +48,8 @@ def attend_segments(
         if n == 0:
             continue
         s = torch.matmul(q, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, rep*Lq, n]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         bias = _segment_mask(mask, start - kv_offset, n, b, rep, lq, is_new, start, query_start, query.device)
         if bias is not None:
             s = s.masked_fill(~bias, NEG_INF) if bias.dtype == torch.bool else s + bias
