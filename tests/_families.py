@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-COMMON = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096}
+COMMON = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096}
 
 # family -> (what it exercises, config class name, model class name, config overrides)
 FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
@@ -23,16 +23,18 @@ FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "llama-yarn": ("RoPE scaling yarn, attention scaling", "LlamaConfig", "LlamaForCausalLM", {
         "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                             "original_max_position_embeddings": 1024}}),
+    "llama-dynamic": ("RoPE scaling dynamic (length-dependent)", "LlamaConfig", "LlamaForCausalLM", {
+        "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
     "mistral": ("sliding window", "MistralConfig", "MistralForCausalLM", {"sliding_window": 16}),
     "qwen2": ("q/k/v biases, hybrid sliding", "Qwen2Config", "Qwen2ForCausalLM", {
         "num_hidden_layers": 4, "use_sliding_window": True, "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]}),
     "qwen3": ("q/k norm", "Qwen3Config", "Qwen3ForCausalLM", {}),
     "gemma2": ("hybrid layers, soft-capping", "Gemma2Config", "Gemma2ForCausalLM", {
-        "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 32,
+        "num_hidden_layers": 4, "sliding_window": 16, "query_pre_attn_scalar": 64,
         "attn_logit_softcapping": 0.5, "final_logit_softcapping": 30.0}),
     "gemma3": ("hybrid layers, per-layer-type RoPE, q/k norm", "Gemma3TextConfig", "Gemma3ForCausalLM", {
-        "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 32,
+        "num_hidden_layers": 6, "sliding_window": 16, "query_pre_attn_scalar": 64,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}}),
     "phi3": ("partial rotary, fused qkv", "Phi3Config", "Phi3ForCausalLM", {"partial_rotary_factor": 0.5,

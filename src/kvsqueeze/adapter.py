@@ -279,10 +279,12 @@ class QuantizedCache(Cache):
         step = StepTracker(lambda: [layer.kv for layer in self.layers])
         layers = []
         for i, t in enumerate(layout.layer_types):
-            if spec.layer_overrides is not None and t != "sliding_attention":
+            if spec.layer_overrides is not None and (t != "sliding_attention" or spec.quantize_sliding):
                 k_spec, v_spec = spec.layer_overrides[i]
-                layers.append(_HFLayer(dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None),
-                                       None, backend, step))
+                sliding = t == "sliding_attention"  # calibrated within its window, without sinks
+                lspec = dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None,
+                                            sinks=0 if sliding else spec.sinks)
+                layers.append(_HFLayer(lspec, layout.sliding_window if sliding else None, backend, step))
                 continue
             if t == "sliding_attention":
                 lspec = spec if spec.quantize_sliding else CacheSpec(name="full", block_tokens=spec.block_tokens)

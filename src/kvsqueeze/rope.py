@@ -10,6 +10,7 @@ models use one base for sliding layers and another for global ones).  Partial ro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,21 @@ def layer_rope_tables(config: Any) -> list[RopeTable]:
     if missing:
         raise ValueError(f"no RoPE parameters for layer type(s) {', '.join(missing)}")
     return [tables[t] for t in types]
+
+
+def model_rope_tables(model: Any) -> list[RopeTable]:
+    """Every layer's RoPE table (:func:`layer_rope_tables`) with the inverse frequencies the model's rotary module
+    actually holds where it has a buffer of the same size (``inv_freq`` or ``<layer type>_inv_freq``): a model
+    cast to bf16 rotates with its rounded buffer, and the tables must rotate as the model does."""
+    tables = layer_rope_tables(model.config)
+    rot = getattr(getattr(model, "base_model", model), "rotary_emb", None)
+    out = []
+    for t in tables:
+        buf = None if rot is None else getattr(rot, f"{t.label}_inv_freq" if t.label else "inv_freq", None)
+        if isinstance(buf, torch.Tensor) and buf.shape == t.inv_freq.shape:
+            t = dataclasses.replace(t, inv_freq=buf.detach().float().clone())
+        out.append(t)
+    return out
 
 
 def distinct_tables(tables: list[RopeTable]) -> list[RopeTable]:
