@@ -104,13 +104,11 @@ def test_soft_capping_is_applied_by_the_cache():
     m = model("gemma2")
     ids = _ids(30, seed=1)
     capped = _run(m, ids, kvsqueeze.QuantizedCache(m.config, "int8", backend="torch"), 10)
-    cfg = copy.deepcopy(m.config)
-    cfg.attn_logit_softcapping = None
     uncapped_model = copy.deepcopy(m)
     uncapped_model.config.attn_logit_softcapping = None
     for layer in uncapped_model.model.layers:
         layer.self_attn.attn_logit_softcapping = None
-    uncapped = _run(uncapped_model, ids, kvsqueeze.QuantizedCache(cfg, "int8", backend="torch"), 10)
+    uncapped = _run(uncapped_model, ids, kvsqueeze.QuantizedCache(uncapped_model.config, "int8", backend="torch"), 10)
     assert _rel(capped, uncapped) > 1e-4  # the cap matters on this model, so the equality tests above see it
 
 
