@@ -105,6 +105,14 @@ def tiny_mixed_sliding() -> Any:
 
 
 @pytest.fixture(scope="session")
+def tiny_family() -> Callable[[str], Any]:
+    """Builder of tiny random models of every common family (tests/_families.py): ``tiny_family("gemma3")``."""
+    from _families import build
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer() -> Any:
     """A word-level tokenizer over the tiny models' 256 ids: "<unk>", "<eos>", then "w2" .. "w255"."""
     from tokenizers import Tokenizer, models, pre_tokenizers

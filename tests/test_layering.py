@@ -21,7 +21,8 @@ ROOT = Path(kvsqueeze.__file__).parent
 RANKS = {
     "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0,
     "external": 1,
-    "spec": 1, "rope": 1, "layout": 1, "corpus": 1, "models": 1, "transforms": 1,
+    "spec": 1, "rope": 1, "corpus": 1, "models": 1, "transforms": 1,
+    "layout": 1.5,  # reads a model's attention facts, RoPE tables included
     "quant": 2,
     "artifact": 3, "resolve": 4,
     "cache": 5,

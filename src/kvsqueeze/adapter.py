@@ -101,8 +101,11 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
     try:
-        if layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
+        if softcap is not None:  # attention-logit soft-capping (Gemma-2): only the reference kernel applies it
+            out = reference.attend(query, layer.plan(), attention_mask, scaling, softcap=softcap)
+        elif layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
             if layer.attend is None:
@@ -326,10 +329,12 @@ class QuantizedCache(Cache):
         step = StepTracker(lambda: [layer.kv for layer in self.layers])
         layers = []
         for i, t in enumerate(layout.layer_types):
-            if spec.layer_overrides is not None and t != "sliding_attention":
+            if spec.layer_overrides is not None and (t != "sliding_attention" or spec.quantize_sliding):
                 k_spec, v_spec = spec.layer_overrides[i]
-                layers.append(_HFLayer(dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None),
-                                       None, backend, step))
+                sliding = t == "sliding_attention"  # calibrated within its window, without sinks
+                lspec = dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None,
+                                            sinks=0 if sliding else spec.sinks)
+                layers.append(_HFLayer(lspec, layout.sliding_window if sliding else None, backend, step))
                 continue
             if t == "sliding_attention":
                 lspec = spec if spec.quantize_sliding else CacheSpec(name="full", block_tokens=spec.block_tokens)

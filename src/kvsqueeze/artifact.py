@@ -59,12 +59,14 @@ class Artifact:
     calibration: dict[str, Any]
     settings: dict[str, Any]
     layers: list[dict[str, Side]]  # per layer {"key": Side, "value": Side}
-    rope: dict[str, Any] = field(default_factory=dict)  # {"inv_freq": Tensor, "scaling": float}
+    # {"inv_freq": Tensor, "scaling": float} of the first layer, and "layers": [(inv_freq, scaling)] per layer
+    # when the layers' tables differ (per-layer-type RoPE); an empty inv_freq for a model without RoPE
+    rope: dict[str, Any] = field(default_factory=dict)
     path: str | None = None
 
     # -------------------------------------------------------------------- cache spec
-    def _quant(self, side: Side) -> QuantSpec:
-        q = self._inner_quant(side)
+    def _quant(self, side: Side, layer: int = 0) -> QuantSpec:
+        q = self._inner_quant(side, layer)
         if "transform" not in side.tensors:
             return q
         if side.kind == "prerope":
@@ -74,25 +76,37 @@ class Artifact:
                              "general", inner=q.extras, name=info.get("name") or "transform")
         return dataclasses.replace(q, extras=ex)
 
-    def _inner_quant(self, side: Side) -> QuantSpec:
+    def layer_rope(self, i: int) -> tuple[torch.Tensor, float]:
+        """(inv_freq, attention scaling) of layer ``i``."""
+        if "layers" in self.rope:
+            return self.rope["layers"][i]
+        return self.rope["inv_freq"], self.rope["scaling"]
+
+    def _inner_quant(self, side: Side, layer: int = 0) -> QuantSpec:
         t = side.tensors
         if side.kind in ("none", "plain"):
             return side.quant
         if side.kind == "group":
             return dataclasses.replace(side.quant, extras=GroupExtras(t.get("perm"), t.get("clip")))
         s = side.settings
-        ex = PreRopeExtras(t["lo"], t["hi"], self.rope["inv_freq"], self.rope["scaling"], t.get("codebook"),
+        inv_freq, scaling = self.layer_rope(layer)
+        ex = PreRopeExtras(t["lo"], t["hi"], inv_freq, scaling, t.get("codebook"),
                            outliers=s["outliers"], bits=s["bits"], param_dtype=side.quant.param_dtype)
         return dataclasses.replace(side.quant, extras=ex)
 
     def cache_spec(self) -> CacheSpec:
         """The CacheSpec a cache built from this artifact uses: one (key, value) QuantSpec per layer; the window,
         sinks and flush size come from the artifact's top level."""
-        overrides = tuple((self._quant(lay["key"]), self._quant(lay["value"])) for lay in self.layers)
+        overrides = tuple((self._quant(lay["key"], i), self._quant(lay["value"], i))
+                          for i, lay in enumerate(self.layers))
         first = next((o for o in overrides if o[0].quantized or o[1].quantized), overrides[0])
+        types = self.model.get("layer_types") or []
+        # sliding layers calibrated within their window are quantized with their own sides
+        sliding = any(t == "sliding_attention" and (o[0].quantized or o[1].quantized)
+                      for t, o in zip(types, overrides))
         return CacheSpec(key=first[0], value=first[1], window=self.window, sinks=self.sinks, name=self.name,
                          meta={"artifact": self.path, "method": self.method, "model_layout": self.layout()},
-                         layer_overrides=overrides)
+                         layer_overrides=overrides, quantize_sliding=sliding)
 
     def layout(self) -> dict[str, int]:
         return {k: int(self.model[k]) for k in ("num_layers", "num_kv_heads", "head_dim")}
@@ -154,6 +168,11 @@ class Artifact:
         dest = Path(dest).expanduser()
         with staged_directory(dest) as tmp:
             tensors = {"rope.inv_freq": self.rope["inv_freq"].float().contiguous()}
+            rope_doc: dict[str, Any] = {"scaling": self.rope["scaling"]}
+            if "layers" in self.rope:  # per-layer tables (written only when the layers' tables differ)
+                rope_doc["layers_scaling"] = [float(sc) for _, sc in self.rope["layers"]]
+                for i, (inv_freq, _) in enumerate(self.rope["layers"]):
+                    tensors[f"rope.layers.{i}.inv_freq"] = inv_freq.float().contiguous().clone()
             for i, lay in enumerate(self.layers):
                 for side_name, side in lay.items():
                     for tname, t in side.tensors.items():
@@ -161,7 +180,7 @@ class Artifact:
             save_file(tensors, str(tmp / TENSORS_FILE))
             doc = {"format": FORMAT, "version": VERSION, "name": self.name, "method": self.method,
                    "model": self.model, "cache": {"window": self.window, "sinks": self.sinks},
-                   "rope": {"scaling": self.rope["scaling"]}, "calibration": self.calibration,
+                   "rope": rope_doc, "calibration": self.calibration,
                    "settings": self.settings,
                    "layers": [{k: s.to_json() for k, s in lay.items()} for lay in self.layers],
                    "tensor_shapes": {k: list(v.shape) for k, v in tensors.items()}}
@@ -254,11 +273,16 @@ def load_artifact(path: str | Path) -> Artifact:
             raise ValueError(f"{len(layers)} layer entries for a model with {layout['num_layers']} layers")
         if "rope.inv_freq" not in tensors:
             raise ValueError(f"tensor rope.inv_freq is missing from {TENSORS_FILE}")
+        rope = {"inv_freq": tensors["rope.inv_freq"], "scaling": float(doc["rope"]["scaling"])}
+        if "layers_scaling" in doc["rope"]:
+            rope["layers"] = [(tensors[f"rope.layers.{i}.inv_freq"], float(sc))
+                              for i, sc in enumerate(doc["rope"]["layers_scaling"])]
+            if len(rope["layers"]) != layout["num_layers"]:
+                raise ValueError(f"{len(rope['layers'])} RoPE tables for {layout['num_layers']} layers")
         art = Artifact(method=doc["method"], name=doc["name"], model=model, window=int(doc["cache"]["window"]),
                        sinks=int(doc["cache"]["sinks"]), calibration=doc.get("calibration", {}),
                        settings=doc.get("settings", {}), layers=layers,
-                       rope={"inv_freq": tensors["rope.inv_freq"], "scaling": float(doc["rope"]["scaling"])},
-                       path=str(p))
+                       rope=rope, path=str(p))
         spec = art.cache_spec()  # builds every codec parameter object: shape errors surface here
         check_overrides(spec, None)
     except (KeyError, TypeError) as exc:

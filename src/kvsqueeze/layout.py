@@ -75,3 +75,93 @@ def model_kv_layout(config: Any) -> dict[str, Any]:
         "rope": dict(rope) if rope is not None else None,
         "max_position_embeddings": getattr(text, "max_position_embeddings", None),
     }
+
+
+# ------------------------------------------------------------------------------------------------ attention facts
+QK_NORMS = ("none", "per-head", "other")  # per-head: one weight of head_dim shared by every head (Qwen3, Gemma-3)
+PROJECTIONS = ("separate", "fused-qkv", "other")  # separate q/k/v/o_proj; fused-qkv: Phi-3's [q; k; v] qkv_proj
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """What calibration and folding need to know about a model's attention beyond the cache's layout.
+
+    rope:          per layer, ``(rope_type, rotary_dim)`` or None for a model without rotary embeddings
+    rope_tables:   number of distinct RoPE tables over the layers (2 for Gemma-3's sliding/global bases)
+    qk_norm:       a norm between W_q/W_k and RoPE: "none", "per-head" (RMSNorm over head_dim, one shared weight)
+                   or "other" (over all heads, per-head weights, ...)
+    projections:   how q/k/v/o are projected ("separate", "fused-qkv" or "other")
+    attn_softcap:  attention-logit soft-capping (Gemma-2) or None
+    """
+
+    model_type: str
+    layout: KVLayout
+    rope: tuple[tuple[str, int] | None, ...]
+    rope_tables: int
+    qk_norm: str
+    projections: str
+    attn_softcap: float | None
+
+    @property
+    def has_rope(self) -> bool:
+        return all(r is not None for r in self.rope)
+
+    @property
+    def partial_rotary(self) -> bool:
+        return any(r is not None and r[1] < self.layout.head_dim for r in self.rope)
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        from .rope import LENGTH_DEPENDENT_TYPES
+
+        return any(r is not None and r[0] in LENGTH_DEPENDENT_TYPES for r in self.rope)
+
+    @property
+    def sliding_layers(self) -> int:
+        return sum(t == "sliding_attention" for t in self.layout.layer_types)
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """The self-attention module of every decoder layer, in layer order (modules with a ``layer_idx`` and a key
+    projection)."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx")
+            and any(hasattr(m, a) for a in ("k_proj", "qkv_proj", "query_key_value"))]
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def _qk_norm(mod: Any, head_dim: int) -> str:
+    norm = getattr(mod, "k_norm", None) or getattr(mod, "k_layernorm", None)
+    if norm is None:
+        return "none"
+    w = getattr(norm, "weight", None)
+    return "per-head" if w is not None and w.dim() == 1 and w.numel() == head_dim else "other"
+
+
+def _projections(mod: Any) -> str:
+    if all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "separate"
+    if hasattr(mod, "qkv_proj") and hasattr(mod, "o_proj"):
+        return "fused-qkv"
+    return "other"
+
+
+def attention_facts(model: Any) -> AttentionFacts:
+    """Facts about ``model``'s attention from its config and the names and shapes of its attention modules."""
+    from .rope import distinct_tables, has_rope, layer_rope_tables
+
+    layout = kv_layout(model.config)
+    text = model.config.get_text_config(decoder=True)
+    if has_rope(text):
+        tables = layer_rope_tables(text)
+        rope: tuple = tuple((t.rope_type, t.rotary_dim) for t in tables)
+        n_tables = len(distinct_tables(tables))
+    else:
+        rope, n_tables = (None,) * layout.num_layers, 0
+    mods = attention_modules(model)
+    norms = {_qk_norm(m, layout.head_dim) for m in mods} or {"none"}
+    projs = {_projections(m) for m in mods} or {"other"}
+    return AttentionFacts(
+        model_type=str(getattr(text, "model_type", type(text).__name__)), layout=layout, rope=rope,
+        rope_tables=n_tables, qk_norm=norms.pop() if len(norms) == 1 else "other",
+        projections=projs.pop() if len(projs) == 1 else "other",
+        attn_softcap=getattr(text, "attn_logit_softcapping", None))

@@ -6,7 +6,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..artifact import Artifact, Side
+from ..layout import AttentionFacts
+from ..rope import distinct_tables
 from ..spec import QuantSpec
 from .clip import CLIP_MODES
 from .collect import Activations, CalibrationData, collect
@@ -19,10 +23,12 @@ from .invertible import (
     grouping_quants,
 )
 from .kvquant import calibrate_kvquant_keys
+from .requirements import check_model
 from .skvq import calibrate_skvq, side_quant
 from .vllm_fp8 import FP8_FORMATS, ROUNDINGS, calibrate_vllm_fp8
 
 METHODS = ("skvq", "kvquant", "hybrid", "invertible", "vllm-fp8")
+PRE_ROPE_METHODS = ("kvquant", "hybrid")  # keys stored before RoPE: activations un-rotated at collection
 METHOD_HELP = {"skvq": "SKVQ: reordered per-token groups, searched clip ratios, fp8 group parameters",
                "kvquant": "KVQuant-style: pre-RoPE per-channel keys with static ranges and sparse outliers; "
                           "per-token values",
@@ -117,17 +123,20 @@ class CalibrationSettings:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", "-".join(parts))
 
 
-def calibrate_activations(acts: Activations, settings: CalibrationSettings, progress: bool = True
-                          ) -> list[dict[str, Side]]:
+def calibrate_activations(acts: Activations, settings: CalibrationSettings, progress: bool = True,
+                          facts: AttentionFacts | None = None) -> list[dict[str, Side]]:
+    """Calibrate every layer from collected activations; ``facts`` (:func:`kvsqueeze.layout.attention_facts`)
+    adapt the method to the model (shared key scales where a per-head q/k norm takes the fold)."""
     s = settings
     ws = {"window": s.window, "sinks": s.sinks}  # the objective sees what the cache will keep exact
     if s.method == "vllm-fp8":
         return calibrate_vllm_fp8(acts, s.fp8_format, s.rounding, s.compensate, s.rotate_keys, progress=progress)
     if s.method == "invertible":
         kq, vq = grouping_quants(s.grouping, s.key_bits, s.value_bits, s.key_group, s.value_group, s.param_dtype)
+        shared = facts is not None and facts.qk_norm == "per-head"
         return calibrate_invertible(acts, s.transform, s.grouping, kq, vq, LearnSettings(steps=s.steps, rank=s.rank,
                                                                                           seed=s.seed),
-                                    progress=progress, **ws)
+                                    progress=progress, shared_key_scales=shared, **ws)
     if s.method == "kvquant":
         keys = calibrate_kvquant_keys(acts, s.key_bits, s.outliers, s.nuq, progress=progress, **ws)
         return [{"key": k, "value": Side("plain", s.value_quant()) if k.kind != "none" else
@@ -144,22 +153,38 @@ def calibrate_activations(acts: Activations, settings: CalibrationSettings, prog
 
 def calibrate(model: Any, data: CalibrationData, settings: CalibrationSettings, model_name: str = "model",
               progress: bool = True) -> Artifact:
-    """Collect activations on ``data`` and calibrate ``settings.method``; returns an unsaved artifact."""
-    from ..layout import kv_layout
+    """Collect activations on ``data`` and calibrate ``settings.method``; returns an unsaved artifact.
 
-    layout = kv_layout(model.config)
-    acts = collect(model, data.ids, progress=progress)
-    layers = calibrate_activations(acts, settings, progress=progress)
+    What the method needs of the model is checked first (:mod:`kvsqueeze.calibrate.requirements`): a method that
+    cannot work on this model raises :class:`~kvsqueeze.calibrate.requirements.ModelRequirementError` before any
+    activation is collected."""
+    facts = check_model(model, settings.method, settings.transform if settings.method == "invertible" else None)
+    layout = facts.layout
+    acts = collect(model, data.ids, progress=progress, pre_rope=settings.method in PRE_ROPE_METHODS)
+    layers = calibrate_activations(acts, settings, progress=progress, facts=facts)
     text = model.config.get_text_config(decoder=True)
     model_info = {"name": model_name, "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
                   "num_heads": layout.num_heads, "head_dim": layout.head_dim,
                   "rope_theta": getattr(text, "rope_theta", None) or (getattr(text, "rope_parameters", None) or {})
                   .get("rope_theta")}
     exact = (0, 0) if settings.method == "vllm-fp8" else (settings.window, settings.sinks)  # vLLM keeps none
+    if facts.sliding_layers:  # the artifact's cache then quantizes sliding layers with their calibrated sides
+        model_info["layer_types"] = list(layout.layer_types)
     return Artifact(method=settings.method, name=settings.name(model_name), model=model_info,
                     window=exact[0], sinks=exact[1], calibration=data.provenance,
                     settings={k: getattr(settings, k) for k in settings.__dataclass_fields__},
-                    layers=layers, rope={"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling})
+                    layers=layers, rope=artifact_rope(acts))
+
+
+def artifact_rope(acts: Activations) -> dict[str, Any]:
+    """The artifact's RoPE record: the first layer's table, plus every layer's where they differ (per layer type);
+    an empty table for a model without RoPE (nothing is un-rotated then)."""
+    if acts.tables is None:
+        return {"inv_freq": torch.zeros(0), "scaling": 1.0}
+    rope: dict[str, Any] = {"inv_freq": acts.inv_freq, "scaling": acts.rope_scaling}
+    if len(distinct_tables(acts.tables)) > 1:
+        rope["layers"] = [(t.inv_freq, t.attention_scaling) for t in acts.tables]
+    return rope
 
 
 def method_defaults(method: str, grouping: str = "token") -> dict[str, Any]:

@@ -26,30 +26,44 @@ def query_positions(length: int, n: int = 128, start: int = 16) -> torch.Tensor:
 
 def attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scaling: float,
                   k_hat: torch.Tensor | None = None, v_hat: torch.Tensor | None = None, window: int = 0,
-                  sinks: int = 0, q_selected: bool = False, flush: int = 1) -> torch.Tensor:
+                  sinks: int = 0, q_selected: bool = False, flush: int = 1, visible: int | None = None,
+                  softcap: float | None = None) -> torch.Tensor:
     """Causal attention of the queries at ``qpos``: q [N, Hq, L, D], k/v [N, Hkv, L, D] -> [N, Hkv, rep*|qpos|, D]
     (query heads grouped by KV head).  ``q_selected``: q is already [N, Hq, |qpos|, D] (the queries at qpos).
 
     With ``k_hat``/``v_hat`` (the quantized K/V), each query sees exactly what the cache would give it when
     decoding position p (p tokens stored): the cache's own split (:func:`kvsqueeze.cache.emulate.quantized_mask`,
     with ``window``, ``sinks`` and the cache's ``flush`` granularity) - sinks, the window and its own token exact,
-    older tokens quantized."""
+    older tokens quantized.  ``visible``: a sliding layer's window (queries see only their last ``visible`` keys);
+    ``softcap``: the model's attention-logit soft-capping."""
     n, hq, _, d = q.shape
     length, hkv = k.shape[2], k.shape[1]
     rep = hq // hkv
     qs = (q if q_selected else q[:, :, qpos]).float().reshape(n, hkv, -1, d)  # [N, Hkv, rep*P, D]
     kpos = torch.arange(length)
-    allowed = (kpos[None, :] <= qpos[:, None]).repeat(rep, 1)  # [rep*P, L]
+    allowed = kpos[None, :] <= qpos[:, None]
+    if visible is not None:
+        allowed = allowed & (kpos[None, :] > qpos[:, None] - visible)
+    allowed = allowed.repeat(rep, 1)  # [rep*P, L]
     s = torch.matmul(qs, k.float().transpose(-1, -2)) * scaling
     exact = None
     if k_hat is not None or v_hat is not None:
         exact = (~quantized_mask(window, sinks, flush, qpos, length)).repeat(rep, 1)
         if k_hat is not None:
             s = torch.where(exact, s, torch.matmul(qs, k_hat.float().transpose(-1, -2)) * scaling)
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     if v_hat is None or exact is None:
         return torch.matmul(p, v.float())
     return torch.matmul(p * exact, v.float()) + torch.matmul(p * ~exact, v_hat.float())
+
+
+def layer_scope(acts, sinks: int) -> tuple[int, dict]:
+    """(sinks, attention_out keywords) of one layer's objective: a sliding layer keeps no sinks (the cache masks
+    them out of the window) and each query sees only its window; soft-capping as the model applies it."""
+    sliding = getattr(acts, "sliding_window", None)
+    return (sinks if sliding is None else 0), {"visible": sliding, "softcap": getattr(acts, "softcap", None)}
 
 
 def head_error(ref: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

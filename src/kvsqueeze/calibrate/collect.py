@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..rope import rope_cos_sin, undo_rope
+from ..rope import RopeTable, has_rope, model_rope_tables, undo_rope
 
 
 @dataclass
@@ -97,42 +97,65 @@ class LayerActivations:
 
     q: torch.Tensor  # queries after RoPE
     k: torch.Tensor  # keys after RoPE
-    k_pre: torch.Tensor  # keys before RoPE
+    k_pre: torch.Tensor | None  # keys before RoPE (collected only when asked for)
     v: torch.Tensor
     scaling: float
+    rope: RopeTable | None = None  # this layer's RoPE table
+    sliding_window: int | None = None  # a sliding layer's window: a query sees only its last this-many keys
+    softcap: float | None = None  # attention-logit soft-capping of the model (Gemma-2)
 
 
 @dataclass
 class Activations:
     layers: list[LayerActivations | None]  # None for layers without a KV cache of their own (not collected)
-    inv_freq: torch.Tensor
+    inv_freq: torch.Tensor | None  # the first layer's RoPE table (every layer's: LayerActivations.rope)
     rope_scaling: float
     num_kv_heads: int
     head_dim: int
+    tables: list[RopeTable] | None = None  # per layer
 
 
 def rope_tables(model: Any) -> tuple[torch.Tensor, float]:
-    """(inv_freq, attention_scaling) of the model's rotary embedding; ValueError for models without one."""
-    rot = getattr(model.base_model, "rotary_emb", None)
-    if rot is None or not hasattr(rot, "inv_freq"):
-        raise ValueError("this model has no rotary embedding module (base_model.rotary_emb); pre-RoPE calibration "
-                         "supports RoPE models")
-    return rot.inv_freq.detach().float().clone(), float(getattr(rot, "attention_scaling", 1.0))
+    """(inv_freq, attention_scaling) of the model's first layer; ValueError for models without RoPE."""
+    t = model_rope_tables(model)[0]
+    return t.inv_freq, t.attention_scaling
+
+
+def _attention_softcapped(module, query, key, value, attention_mask, scaling, softcap, dropout=0.0, **kw):
+    """Attention with logit soft-capping (SDPA has none): ``softcap * tanh(q k^T * scaling / softcap)``, the
+    boolean SDPA mask (True = attend) or causal when None."""
+    rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    s = torch.matmul(query, k.transpose(-1, -2)) * scaling
+    s = torch.tanh(s / softcap) * softcap
+    if attention_mask is None:
+        lq, lk = s.shape[-2:]
+        attention_mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if attention_mask.dtype == torch.bool:
+        s = s.masked_fill(~attention_mask, float("-inf"))
+    else:
+        s = s + attention_mask
+    p = torch.softmax(s.float(), dim=-1).to(query.dtype)
+    return torch.matmul(p, v).transpose(1, 2).contiguous(), None
 
 
 @torch.no_grad()
-def collect(model: Any, ids: torch.Tensor, progress: bool = True) -> Activations:
-    """Run the model over the calibration samples and keep, per layer and KV head, queries, keys before and after
-    RoPE, and values.  Attention itself is transformers' SDPA (the outputs are the model's own)."""
+def collect(model: Any, ids: torch.Tensor, progress: bool = True, pre_rope: bool = True) -> Activations:
+    """Run the model over the calibration samples and keep, per layer and KV head, queries, keys after RoPE (and
+    before, with ``pre_rope``: un-rotated with the layer's own table), and values.  Attention itself is
+    transformers' SDPA (or the soft-capped form for models with attention-logit soft-capping), so the outputs are
+    the model's own."""
     from tqdm.auto import tqdm
 
     from ..adapter import attention_override, sdpa_attention_forward
     from ..layout import kv_layout
 
     layout = kv_layout(model.config)
-    inv_freq, rope_scale = rope_tables(model)
+    text = model.config.get_text_config(decoder=True)
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    tables = model_rope_tables(model) if pre_rope or has_rope(model.config) else None
     n, length = ids.shape
-    cos, sin = rope_cos_sin(torch.arange(length), inv_freq, rope_scale)
+    cos_sin: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     store: dict[int, dict[str, list[torch.Tensor]]] = {}
     scal: dict[int, float] = {}
 
@@ -141,9 +164,17 @@ def collect(model: Any, ids: torch.Tensor, progress: bool = True) -> Activations
         d = store.setdefault(i, {"q": [], "k": [], "k_pre": [], "v": []})
         d["q"].append(query.detach().float())
         d["k"].append(key.detach().float())
-        d["k_pre"].append(undo_rope(key.detach().float(), cos.to(key.device), sin.to(key.device), rope_scale))
+        if pre_rope:
+            t = tables[i]
+            if id(t) not in cos_sin:
+                cos_sin[id(t)] = t.cos_sin(torch.arange(length))
+            cos, sin = cos_sin[id(t)]
+            d["k_pre"].append(undo_rope(key.detach().float(), cos.to(key.device), sin.to(key.device),
+                                        t.attention_scaling))
         d["v"].append(value.detach().float())
         scal[i] = query.shape[-1] ** -0.5 if scaling is None else scaling
+        if kw.get("softcap") is not None:
+            return _attention_softcapped(module, query, key, value, attention_mask, scal[i], dropout=dropout, **kw)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kw)
 
@@ -156,5 +187,12 @@ def collect(model: Any, ids: torch.Tensor, progress: bool = True) -> Activations
             layers.append(None)
             continue
         d = store[i]
-        layers.append(LayerActivations(*(torch.cat(d[name]) for name in ("q", "k", "k_pre", "v")), scaling=scal[i]))
-    return Activations(layers, inv_freq, rope_scale, layout.num_kv_heads, layout.head_dim)
+        k_pre = torch.cat(d["k_pre"]) if pre_rope else None
+        sliding = layout.sliding_window if layout.layer_types[i] == "sliding_attention" else None
+        layers.append(LayerActivations(torch.cat(d["q"]), torch.cat(d["k"]), k_pre, torch.cat(d["v"]),
+                                       scaling=scal[i], rope=None if tables is None else tables[i],
+                                       sliding_window=sliding, softcap=softcap))
+    first = None if tables is None else tables[0]
+    return Activations(layers, None if first is None else first.inv_freq,
+                       1.0 if first is None else first.attention_scaling, layout.num_kv_heads, layout.head_dim,
+                       tables)

@@ -55,12 +55,10 @@ def export_folded(artifact_path: str | Path, out_dir: str | Path, model_source: 
         raise ValueError(f"artifact {art.name!r} has no transforms to fold (calibrate with --method invertible)")
     model, tok = load_model(model_source, progress=progress)
     check_overrides(art.cache_spec(), kv_layout(model.config))
-    text = model.config.get_text_config(decoder=True)
-    if float(getattr(text, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise ValueError("models with partial rotary embeddings are not supported by the RoPE-commuting fold")
     ids = tok(PROBE_TEXT, return_tensors="pt").input_ids
     ref = model(input_ids=ids).logits.float()
-    fold_transforms(model, keys, values, art.rope["inv_freq"])
+    # every layer's own RoPE table (partial rotary and per-layer-type tables included) checks its key transform
+    fold_transforms(model, keys, values, [art.layer_rope(i)[0] for i in range(len(art.layers))])
     with staged_directory(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)

@@ -29,9 +29,10 @@ import torch
 
 from ..artifact import Side
 from ..quant.affine import affine_ste
+from ..rope import pair_order
 from ..spec import QuantSpec
 from ..transforms.matrices import GeneralTransform, RopeCommutingTransform, condition_number, hadamard
-from .clip import attention_out, head_error, query_positions
+from .clip import attention_out, head_error, layer_scope, query_positions
 from .collect import Activations, LayerActivations
 
 TRANSFORMS = ("none", "hadamard", "smooth", "learned-folded", "learned-online")
@@ -122,19 +123,50 @@ class _Fixed(torch.nn.Module):
         return self.inv
 
 
-def _modules(transform: str, acts: LayerActivations, learn: LearnSettings) -> tuple[Any, Any, str, str]:
-    """(key module, value module, key family, value family); a module is None for no transform."""
+class _Paired(torch.nn.Module):
+    """A transform written for the full half-split pairing (i, i + D/2), moved to a partial rotary layout by the
+    channel permutation of :func:`kvsqueeze.rope.pair_order`: ``A = A_c[inv][:, inv]``."""
+
+    def __init__(self, inner: Any, order: torch.Tensor):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("inv", torch.argsort(order))
+
+    def matrix(self) -> torch.Tensor:
+        return self.inner.matrix()[..., self.inv, :][..., :, self.inv]
+
+    def inverse(self) -> torch.Tensor:
+        return self.inner.inverse()[..., self.inv, :][..., :, self.inv]
+
+
+def _modules(transform: str, acts: LayerActivations, learn: LearnSettings, shared_key_scales: bool = False
+             ) -> tuple[Any, Any, str, str]:
+    """(key module, value module, key family, value family); a module is None for no transform.
+
+    RoPE-commuting key transforms follow the layer's RoPE pairing (partial rotary included); with
+    ``shared_key_scales`` (a per-head q/k norm sits between W_k and RoPE) ``smooth`` uses one set of scales for
+    every head, so the diagonal transform folds into the norm's shared weight."""
     h, d = acts.k.shape[1], acts.k.shape[-1]
     if transform == "none":
         return None, None, "", ""
     if transform == "hadamard":
         hd = hadamard(d).expand(h, d, d).clone()
         return _Fixed(hd, hd.transpose(-1, -2)), _Fixed(hd, hd.transpose(-1, -2)), "general", "general"
+    rotary = acts.rope.rotary_dim if acts.rope is not None else d
+    order = pair_order(d, rotary)
+
+    def commuting() -> Any:
+        u = smooth_log_scales(acts.k[..., order])
+        if shared_key_scales:
+            u = u.mean(0, keepdim=True).expand_as(u)
+        m = RopeCommutingTransform(h, d, u)
+        return m if rotary == d else _Paired(m, order)
+
     if transform == "smooth":
-        return RopeCommutingTransform(h, d, smooth_log_scales(acts.k)), None, "rope-commuting", ""
+        return commuting(), None, "rope-commuting", ""
     value = GeneralTransform(h, d, learn.rank, base="hadamard", seed=learn.seed + 1)
     if transform == "learned-folded":
-        return RopeCommutingTransform(h, d, smooth_log_scales(acts.k)), value, "rope-commuting", "general"
+        return commuting(), value, "rope-commuting", "general"
     if transform == "learned-online":
         return GeneralTransform(h, d, learn.rank, base="hadamard", seed=learn.seed), value, "general", "general"
     raise ValueError(f"unknown transform {transform!r}; allowed: {', '.join(TRANSFORMS)}")
@@ -156,22 +188,23 @@ def transformed_error(acts: LayerActivations, qs: torch.Tensor, qpos: torch.Tens
         q = _per_head(q, kmod.inverse().transpose(-1, -2), rep)  # X = A^-T
     if vmod is not None:
         v = _per_head(v, vmod.matrix())
-    out = attention_out(q, fake_quant_ste(k, kq), fake_quant_ste(v, vq), qpos, acts.scaling, q_selected=True)
+    out = attention_out(q, fake_quant_ste(k, kq), fake_quant_ste(v, vq), qpos, acts.scaling, q_selected=True,
+                        **layer_scope(acts, 0)[1])
     if vmod is not None:
         out = _per_head(out, vmod.inverse())  # grouped [N, Hkv, rep*P, D]: one Y^-1 per KV head
     return head_error(ref, out)
 
 
-def learn_layer(acts: LayerActivations, transform: str, kq: QuantSpec, vq: QuantSpec, learn: LearnSettings
-                ) -> tuple[dict[str, torch.Tensor | None], dict[str, Any]]:
+def learn_layer(acts: LayerActivations, transform: str, kq: QuantSpec, vq: QuantSpec, learn: LearnSettings,
+                shared_key_scales: bool = False) -> tuple[dict[str, torch.Tensor | None], dict[str, Any]]:
     """Transforms of one layer: {"key": (A, A^-1) or None, "value": ...} and a record of errors/conditioning."""
     length = acts.k.shape[2]
     qpos = query_positions(length, learn.max_queries, start=16)
     qs = acts.q[:, :, qpos]
     with torch.no_grad():
-        ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling)
+        ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling, **layer_scope(acts, 0)[1])
         base_err = transformed_error(acts, qs, qpos, ref, kq, vq, None, None)
-    kmod, vmod, kfam, vfam = _modules(transform, acts, learn)
+    kmod, vmod, kfam, vfam = _modules(transform, acts, learn, shared_key_scales)
     params = [p for m in (kmod, vmod) if m is not None for p in m.parameters()]
     with torch.no_grad():
         init_err = transformed_error(acts, qs, qpos, ref, kq, vq, kmod, vmod)
@@ -198,10 +231,11 @@ def learn_layer(acts: LayerActivations, transform: str, kq: QuantSpec, vq: Quant
 
 
 def calibrate_invertible(acts: Activations, transform: str, grouping: str, kq: QuantSpec, vq: QuantSpec,
-                         learn: LearnSettings, window: int = 0, sinks: int = 0, progress: bool = True
-                         ) -> list[dict[str, Side]]:
+                         learn: LearnSettings, window: int = 0, sinks: int = 0, progress: bool = True,
+                         shared_key_scales: bool = False) -> list[dict[str, Side]]:
     """Every layer's sides: the grouping's codec (plain, or SKVQ-calibrated on the transformed activations) with
-    the transform's tensors attached (``transform`` = A, ``transform_inv`` = A^-1)."""
+    the transform's tensors attached (``transform`` = A, ``transform_inv`` = A^-1).  ``shared_key_scales``: see
+    :func:`_modules` (models with a per-head q/k norm)."""
     from tqdm.auto import tqdm
 
     from .skvq import calibrate_group_side
@@ -214,7 +248,7 @@ def calibrate_invertible(acts: Activations, transform: str, grouping: str, kq: Q
         if la is None:
             out.append({s: Side("none", QuantSpec(fmt="none")) for s in ("key", "value")})
             continue
-        mats, record = learn_layer(la, transform, kq, vq, learn)
+        mats, record = learn_layer(la, transform, kq, vq, learn, shared_key_scales)
         if progress:
             bar.set_postfix(err=f"{sum(record['error_no_transform']):.3g}->{sum(record['error_after']):.3g}")
         lay = {}

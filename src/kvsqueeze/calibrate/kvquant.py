@@ -17,8 +17,9 @@ import torch
 from ..artifact import Side
 from ..cache.codecs_calibrated import PreRopeKeyCodec
 from ..quant.extras import PreRopeExtras
+from ..rope import pair_partner
 from ..spec import QuantSpec
-from .clip import attention_out, grid_search, head_error, query_positions
+from .clip import attention_out, grid_search, head_error, layer_scope, query_positions
 from .collect import Activations, LayerActivations
 from .kmeans import kmeans_1d
 
@@ -26,11 +27,15 @@ DEFAULT_QUANTILES = (0.0, 0.001, 0.003, 0.01, 0.03)
 MAX_CODEBOOK_SAMPLES = 200_000
 
 
-def query_pair_energy(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """[Hkv, D]: mean of q_c^2 + q_(c +- D/2)^2 over tokens and the query heads of each KV head."""
+def query_pair_energy(q: torch.Tensor, kv_heads: int, rotary_dim: int | None = None) -> torch.Tensor:
+    """[Hkv, D]: mean of q_c^2 + q_p(c)^2 over tokens and the query heads of each KV head, p(c) the channel RoPE
+    rotates c with (c +- D/2 for full rotary; :func:`kvsqueeze.rope.pair_partner`)."""
     n, hq, length, d = q.shape
     e = (q.float() ** 2).mean(dim=(0, 2))  # [Hq, D]
-    e = e + torch.roll(e, d // 2, dims=-1)
+    if rotary_dim is None or rotary_dim == d:
+        e = e + torch.roll(e, d // 2, dims=-1)
+    else:
+        e = e + e[:, pair_partner(d, rotary_dim)]
     return e.reshape(kv_heads, hq // kv_heads, d).mean(1)
 
 
@@ -51,11 +56,14 @@ def calibrate_prerope_keys(acts: LayerActivations, inv_freq: torch.Tensor, rope_
     """One layer's pre-RoPE key ranges (and codebook).  As for SKVQ, the objective keeps sinks and the window
     exact, and the ranges ignore the sink tokens (attention sinks have atypical keys the cache never quantizes)."""
     pre = acts.k_pre
+    if pre is None:
+        raise ValueError("pre-RoPE keys were not collected (collect(..., pre_rope=True))")
+    sinks, scope = layer_scope(acts, sinks)
     n, h, length, d = pre.shape
     flat = pre[:, :, min(sinks, length - 1):].transpose(0, 1).reshape(h, -1, d)  # [H, N*(L-sinks), D]
-    weights = query_pair_energy(acts.q, h) if nuq else None
+    weights = query_pair_energy(acts.q, h, acts.rope.rotary_dim if acts.rope is not None else None) if nuq else None
     qpos = query_positions(length, max_queries, start=window + sinks if window + sinks < length // 2 else 16)
-    ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling)
+    ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling, **scope)
     quant = QuantSpec(fmt="int", bits=bits, axis="token", param_dtype=param_dtype)
     ranges = {}
 
@@ -70,7 +78,7 @@ def calibrate_prerope_keys(acts: LayerActivations, inv_freq: torch.Tensor, rope_
         codec = PreRopeKeyCodec(quant, d, build(lo, hi))
         k_hat = codec.decode(codec.encode(acts.k))  # samples start at position 0: the codec's default
         return head_error(ref, attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling, k_hat, None, window,
-                                             sinks))
+                                             sinks, **scope))
 
     best, errs = grid_search(errors_of, quantiles, per_head=True)
     chosen = [min(quantiles, key=lambda g, b=b: abs(g - b)) for b in best.tolist()]  # back to exact grid keys
@@ -92,7 +100,9 @@ def calibrate_kvquant_keys(acts: Activations, bits: int, outliers: int = 1, nuq:
 
     out = []
     for la in tqdm(acts.layers, desc="KVQuant pre-RoPE keys", disable=not progress):
+        if la is not None and la.rope is None:
+            raise ValueError("pre-RoPE keys need the layer's RoPE table (collect(..., pre_rope=True))")
         out.append(Side("none", QuantSpec(fmt="none")) if la is None else
-                   calibrate_prerope_keys(la, acts.inv_freq, acts.rope_scaling, bits, outliers, nuq, quantiles,
-                                          param_dtype, window=window, sinks=sinks))
+                   calibrate_prerope_keys(la, la.rope.inv_freq, la.rope.attention_scaling, bits, outliers, nuq,
+                                          quantiles, param_dtype, window=window, sinks=sinks))
     return out

@@ -15,7 +15,7 @@ from ..artifact import Side
 from ..cache.codecs_calibrated import PermutedGroupCodec
 from ..quant.extras import GroupExtras
 from ..spec import QuantSpec
-from .clip import DEFAULT_CLIP_GRID, attention_out, head_error, query_positions, search_clip
+from .clip import DEFAULT_CLIP_GRID, attention_out, head_error, layer_scope, query_positions, search_clip
 from .collect import Activations, LayerActivations
 from .kmeans import reorder_permutation
 
@@ -44,17 +44,18 @@ def calibrate_group_side(acts: LayerActivations, side: str, quant: QuantSpec, re
     (the other side kept exact).  The objective sees what the cache gives a query: ``sinks`` and the ``window``
     most recent tokens exact, older ones quantized; channel ranges ignore the sink tokens."""
     x = acts.k if side == "key" else acts.v
+    sinks, scope = layer_scope(acts, sinks)
     _, h, length, d = x.shape
     g = d if quant.group is None else quant.group
     perm = channel_order(x[:, :, min(sinks, length - 1):], g) if reorder else None
     qpos = query_positions(length, max_queries, start=window + sinks if window + sinks < length // 2 else 16)
-    ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling)
+    ref = attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling, **scope)
 
     def errors_of(clip: torch.Tensor) -> torch.Tensor:
         xh = _fake(quant, d, perm, clip, x)
         k_hat, v_hat = (xh, None) if side == "key" else (None, xh)
         return head_error(ref, attention_out(acts.q, acts.k, acts.v, qpos, acts.scaling, k_hat, v_hat, window,
-                                             sinks))
+                                             sinks, **scope))
 
     clip = search_clip(errors_of, h, d // g, clip_mode, grid)
     tensors = {}

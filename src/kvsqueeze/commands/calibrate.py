@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from kvsqueeze import corpus as corpus_mod
     from kvsqueeze.calibrate.api import CalibrationSettings, calibrate, method_defaults
     from kvsqueeze.calibrate.collect import corpus_samples, generated_samples
+    from kvsqueeze.calibrate.requirements import check_model
     from kvsqueeze.eval import meta
 
     start = time.perf_counter()
@@ -95,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         rounding=args.rounding, compensate=not args.no_compensation, rotate_keys=not args.no_key_rotation)
     corpus = None if args.generated else corpus_mod.resolve_corpus(args.text, args.dataset)
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    # what the method needs of this model, checked before any text is generated or activation collected
+    check_model(model, settings.method, settings.transform if settings.method == "invertible" else None)
     progress = not args.quiet
     if corpus is None:
         data = generated_samples(model, tokenizer, args.samples, args.length, seed=args.seed, progress=progress)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layout import KVLayout, kv_layout
-from ..rope import rotate_half
+from ..layout import KVLayout, attention_facts, kv_layout
+from ..rope import apply_rope, distinct_tables, model_rope_tables
 from .static_manager import LAYOUTS, StaticKVQuant
 
 MODES = ("prefill", "decode")
@@ -31,7 +31,7 @@ MODES = ("prefill", "decode")
 def _check_llama_like(model: nn.Module) -> KVLayout:
     """The model's KV layout (:func:`kvsqueeze.layout.kv_layout`), after checking it is one this module can run."""
     inner = getattr(model, "model", None)
-    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    needed = ("embed_tokens", "layers", "norm")
     if inner is None or any(not hasattr(inner, a) for a in needed) or not hasattr(model, "lm_head"):
         raise ValueError(
             f"static export supports Llama-family causal LMs (model.model.{{{', '.join(needed)}}} and lm_head); "
@@ -40,6 +40,14 @@ def _check_llama_like(model: nn.Module) -> KVLayout:
     layout = kv_layout(model.config)
     if "sliding_attention" in layout.layer_types:
         raise ValueError("static export does not support sliding-window attention layers")
+    facts = attention_facts(model)
+    if facts.projections != "separate":
+        raise ValueError("static export needs separate q_proj/k_proj/v_proj/o_proj projections; this model fuses them")
+    if facts.qk_norm == "other" or facts.attn_softcap is not None:
+        raise ValueError("static export supports per-head q/k norms and no attention-logit soft-capping; this "
+                         "model has another q/k norm or soft-capping")
+    if not facts.has_rope or facts.length_dependent_rope:
+        raise ValueError("static export needs RoPE tables that do not depend on the sequence length")
     return layout
 
 
@@ -61,7 +69,13 @@ class StaticStep(nn.Module):
         self.n_layers, self.n_heads, self.n_kv, self.head_dim = (kv.num_layers, kv.num_heads, kv.num_kv_heads,
                                                                  kv.head_dim)
         self.groups = self.n_heads // self.n_kv
-        self.scaling = self.head_dim ** -0.5
+        self.scaling = getattr(model.model.layers[0].self_attn, "scaling", self.head_dim ** -0.5)
+        # the model's RoPE tables (per layer type, scaling, partial rotary) as graph constants
+        tables = model_rope_tables(model)
+        self.rope_tables = distinct_tables(tables)
+        self.layer_table = [next(j for j, d in enumerate(self.rope_tables) if d.same_as(t)) for t in tables]
+        for j, t in enumerate(self.rope_tables):
+            self.register_buffer(f"inv_freq_{j}", t.inv_freq, persistent=False)
         if mode == "prefill":  # fixed [S-1, S-1] masks as graph constants (ORT has no bool EyeLike kernel)
             t = self.window
             self.register_buffer("causal", torch.ones(t, t, dtype=torch.bool).tril(), persistent=False)
@@ -102,8 +116,7 @@ class StaticStep(nn.Module):
                 *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         inner = self.model.model
         x = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(x, position_ids)  # [B, T, D], the model's own RoPE (scaling included)
-        cos, sin = cos[:, None], sin[:, None]
+        rope = [self._cos_sin(j, position_ids, x.dtype) for j in range(len(self.rope_tables))]
         bias = self._mask_bias(attention_mask, x.dtype)
         outs: list[torch.Tensor] = []
         for i, layer in enumerate(inner.layers[: self.n_layers]):
@@ -113,7 +126,10 @@ class StaticStep(nn.Module):
             q = attn.q_proj(h).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
             k = attn.k_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
             v = attn.v_proj(h).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-            q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            if getattr(attn, "q_norm", None) is not None:  # per-head q/k norms (Qwen3) sit before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            cos, sin = rope[self.layer_table[i]]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             if self.mode == "prefill":
                 o = self._attend_prompt(q, k, v, bias)
             else:
@@ -124,6 +140,13 @@ class StaticStep(nn.Module):
             outs += [self._to_store(k, "k", i), self._to_store(v, "v", i)]
         logits = self.model.lm_head(inner.norm(x[:, -1]))
         return (logits, *outs)
+
+    def _cos_sin(self, j: int, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, 1, T, rotary_dim] of table j, computed as transformers' rotary modules do."""
+        freqs = position_ids[..., None].float() * getattr(self, f"inv_freq_{j}").float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = self.rope_tables[j].attention_scaling
+        return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
     def _mask_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive bias: 0 where attended, the dtype's minimum elsewhere (finite, so no NaN from a masked row)."""

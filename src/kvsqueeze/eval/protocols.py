@@ -105,7 +105,7 @@ def nll_window(model: Any, ids: torch.Tensor, spec: CacheSpec, prefix: int = 0) 
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         out = window_attend(query, key, value, attention_mask, _scaling(query, scaling),
-                            layer_specs[module.layer_idx], committed)
+                            layer_specs[module.layer_idx], committed, kw.get("softcap"))
         return out.transpose(1, 2).contiguous(), None  # transformers' attention functions return [B, T, H, D]
 
     return _scored_pass(model, ids, attend, prefix)
@@ -118,17 +118,19 @@ def nll_all_quantized(model: Any, ids: torch.Tensor, spec: CacheSpec) -> torch.T
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         out = all_quantized_attend(query, key, value, attention_mask, _scaling(query, scaling),
-                                   layer_specs[module.layer_idx])
+                                   layer_specs[module.layer_idx], kw.get("softcap"))
         return out.transpose(1, 2).contiguous(), None
 
     return _scored_pass(model, ids, attend, 0)
 
 
 def window_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                  scaling: float, spec: CacheSpec, committed: list[int]) -> torch.Tensor:
-    """One layer of the window protocol: [B, Hq, T, D] out; ``committed[t]`` = tokens stored when query t ran."""
+                  scaling: float, spec: CacheSpec, committed: list[int], softcap: float | None = None
+                  ) -> torch.Tensor:
+    """One layer of the window protocol: [B, Hq, T, D] out; ``committed[t]`` = tokens stored when query t ran.
+    ``softcap``: the model's attention-logit soft-capping, if any."""
     if not spec.quantized:
-        return _dense(query, key, value, mask, scaling)
+        return _dense(query, key, value, mask, scaling, softcap)
     from ..cache.emulate import fake_quantize_cache, quantized_mask
 
     k_hat, v_hat = fake_quantize_cache(key, value, spec)
@@ -139,21 +141,21 @@ def window_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
         base, qm = _allowed(mask, t0, t1, key.device), quant[t0:t1, :t1]
         return [(key[:, :, :t1], value[:, :, :t1], base & ~qm), (k_hat[:, :, :t1], v_hat[:, :, :t1], base & qm)]
 
-    return _blocked(query, scaling, sources)
+    return _blocked(query, scaling, sources, softcap)
 
 
 def all_quantized_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                         scaling: float, spec: CacheSpec) -> torch.Tensor:
+                         scaling: float, spec: CacheSpec, softcap: float | None = None) -> torch.Tensor:
     """One layer of the all-quantized protocol (window and sinks of ``spec`` ignored): [B, Hq, T, D] out."""
     if not spec.quantized:
-        return _dense(query, key, value, mask, scaling)
+        return _dense(query, key, value, mask, scaling, softcap)
     from ..cache.emulate import fake_quantize_cache
 
     spec = dataclasses.replace(spec, window=0, sinks=0)
     k_hat, v_hat = fake_quantize_cache(key, value, spec)  # complete token groups quantized
     g = spec.flush_tokens
     if g == 1:  # per-token layouts: every token quantized, plain causal attention over them
-        return _dense(query, k_hat, v_hat, mask, scaling)
+        return _dense(query, k_hat, v_hat, mask, scaling, softcap)
     k_own, v_own = _causal_partial_groups(key, value, spec)
     pos = torch.arange(key.shape[2], device=key.device)
     g0 = pos // g * g  # first token of each query's own group
@@ -165,7 +167,7 @@ def all_quantized_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Te
         own = (cols <= pos[t0:t1, None]) & base.gather(-1, cols.clamp_max(t1 - 1).expand(base.shape[0], 1, -1, -1))
         return [(k_hat[:, :, :t1], v_hat[:, :, :t1], prev), (k_own[:, :, t0:t1], v_own[:, :, t0:t1], own)]
 
-    return _blocked(query, scaling, sources)
+    return _blocked(query, scaling, sources, softcap)
 
 
 def protocol_note(protocol: str, spec: CacheSpec | None) -> str:
@@ -209,15 +211,16 @@ Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _blocked(query: torch.Tensor, scaling: float,
-             sources: Callable[[int, int], list[Source]]) -> torch.Tensor:
+             sources: Callable[[int, int], list[Source]], softcap: float | None = None) -> torch.Tensor:
     """Attention for query blocks; ``sources(t0, t1)`` gives the (keys, values, allowed) the block attends to."""
     t = query.shape[2]
-    out = [_attend(query[:, :, t0:min(t0 + QUERY_BLOCK, t)], scaling, sources(t0, min(t0 + QUERY_BLOCK, t)))
+    out = [_attend(query[:, :, t0:min(t0 + QUERY_BLOCK, t)], scaling, sources(t0, min(t0 + QUERY_BLOCK, t)), softcap)
            for t0 in range(0, t, QUERY_BLOCK)]
     return torch.cat(out, dim=2)
 
 
-def _attend(query: torch.Tensor, scaling: float, sources: list[Source]) -> torch.Tensor:
+def _attend(query: torch.Tensor, scaling: float, sources: list[Source], softcap: float | None = None
+            ) -> torch.Tensor:
     """One softmax over several key sources.
 
     keys/values are [B, Hkv, L, D] (shared by all queries) or [B, Hkv, Tq, L, D] (one set per query);
@@ -229,7 +232,10 @@ def _attend(query: torch.Tensor, scaling: float, sources: list[Source]) -> torch
     for k, _, allowed in sources:
         s = (torch.einsum("bhrtd,bhtld->bhrtl", q, k.float()) if k.dim() == 5
              else torch.matmul(q, k.float().unsqueeze(2).transpose(-1, -2)))
-        scores.append((s * scaling).masked_fill(~allowed.unsqueeze(2), float("-inf")))
+        s = s * scaling
+        if softcap is not None:  # Gemma-2's attention-logit soft-capping
+            s = torch.tanh(s / softcap) * softcap
+        scores.append(s.masked_fill(~allowed.unsqueeze(2), float("-inf")))
     p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
     out = torch.zeros_like(q)
     col = 0
@@ -242,9 +248,9 @@ def _attend(query: torch.Tensor, scaling: float, sources: list[Source]) -> torch
 
 
 def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-           scaling: float) -> torch.Tensor:
+           scaling: float, softcap: float | None = None) -> torch.Tensor:
     return _blocked(query, scaling, lambda t0, t1: [(key[:, :, :t1], value[:, :, :t1],
-                                                     _allowed(mask, t0, t1, key.device))])
+                                                     _allowed(mask, t0, t1, key.device))], softcap)
 
 
 def _scaling(query: torch.Tensor, scaling: float | None) -> float:

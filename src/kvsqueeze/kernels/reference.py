@@ -18,10 +18,11 @@ NEG_INF = float("-inf")
 MAX_COLUMNS = 1024  # a long segment (e.g. a prompt's own tokens) is scored this many keys at a time
 
 
-def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float,
+           softcap: float | None = None) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds (see :func:`attend_segments`)."""
     return attend_segments(query, plan.decoded(), mask, scaling, kv_offset=plan.first_visible,
-                           query_start=plan.query_start)
+                           query_start=plan.query_start, softcap=softcap)
 
 
 def available() -> bool:
@@ -35,6 +36,7 @@ def attend_segments(
     scaling: float,
     kv_offset: int = 0,
     query_start: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over the segments; returns [B, Hq, Lq, D] in the query's dtype.
 
@@ -42,6 +44,7 @@ def attend_segments(
                  absolute positions minus ``kv_offset``; or None, meaning every stored token is visible and the
                  new tokens are causal among themselves.
     query_start: absolute position of the first query (needed only when mask is None).
+    softcap:     attention-logit soft-capping (Gemma-2): scores become ``softcap * tanh(scores / softcap)``.
     """
     b, hq, lq, d = query.shape
     q = None
@@ -59,6 +62,8 @@ def attend_segments(
         if n == 0:
             continue
         s = torch.matmul(q, k.float().transpose(-1, -2)) * scaling  # [B, Hkv, rep*Lq, n]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         bias = _segment_mask(mask, start - kv_offset, n, b, rep, lq, is_new, start, query_start, query.device)
         if bias is not None:
             s = s.masked_fill(~bias, NEG_INF) if bias.dtype == torch.bool else s + bias

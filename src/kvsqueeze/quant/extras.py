@@ -51,7 +51,8 @@ class PreRopeExtras:
     """Calibrated tensors of one layer for :class:`PreRopeKeyCodec`.
 
     lo, hi:    [H, D] static per-channel range of pre-RoPE keys (values outside are clamped or outliers).
-    inv_freq:  [D/2] RoPE inverse frequencies; ``rope_scaling`` the attention scaling of the cos/sin tables.
+    inv_freq:  [r/2] RoPE inverse frequencies of this layer (r = rotary_dim; r < D: partial rotary, the last D - r
+               channels are not rotated); ``rope_scaling`` the attention scaling of the cos/sin tables.
     codebook:  [2**bits] sorted levels in [0, 1] (non-uniform, per layer) or None for a uniform grid.
     outliers:  channels per token and head kept exactly (fp16 value + uint8 index) in the sparse structure.
     bits:      code bits, or None: no quantization (pre-RoPE values stored in float32 - a test mode that must
@@ -83,9 +84,9 @@ class PreRopeExtras:
         if tuple(self.lo.shape) != (heads, head_dim) or tuple(self.hi.shape) != (heads, head_dim):
             raise ValueError(f"pre-RoPE key ranges have shape {tuple(self.lo.shape)}, the model needs "
                              f"({heads}, {head_dim}) (kv heads, head_dim)")
-        if self.inv_freq.numel() * 2 != head_dim:
+        if not 0 < self.inv_freq.numel() * 2 <= head_dim:  # fewer: partial rotary (the rest pass through)
             raise ValueError(f"RoPE table has {self.inv_freq.numel()} frequencies, head_dim {head_dim} needs "
-                             f"{head_dim // 2}")
+                             f"1 to {head_dim // 2}")
         if not 0 <= self.outliers <= head_dim:
             raise ValueError(f"outliers per token must be in [0, {head_dim}], got {self.outliers}")
 
