@@ -37,8 +37,19 @@ def kv_layout(config) -> KVLayout:
     if getattr(text, "v_head_dim", None) not in (None, head_dim) or getattr(text, "kv_lora_rank", None):
         raise ValueError("models with compressed or differently sized value heads (MLA) are not supported; "
                          "allowed: standard multi-head, grouped-query and multi-query attention")
-    sw = next((kw.get("sliding_window") for t, kw in zip(types, kwargs) if t == "sliding_attention"), None)
-    return KVLayout(text.num_hidden_layers, heads, kv_heads, head_dim, tuple(types), sw)
+    return KVLayout(text.num_hidden_layers, heads, kv_heads, head_dim, tuple(types),
+                    _sliding_window(types, kwargs, text))
+
+
+def _sliding_window(types, kwargs, text) -> int | None:
+    """The sliding layers' window: per-layer kwargs (a list of dicts in recent transformers; one dict in older 5.x
+    releases), else the config's own ``sliding_window``."""
+    per_layer = kwargs if isinstance(kwargs, list | tuple) else [kwargs] * len(types)
+    for t, kw in zip(types, per_layer):
+        if t == "sliding_attention":
+            found = kw.get("sliding_window") if isinstance(kw, dict) else None
+            return found if found is not None else getattr(text, "sliding_window", None)
+    return None
 
 
 def model_kv_layout(config: Any) -> dict[str, Any]:
