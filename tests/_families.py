@@ -61,3 +61,15 @@ def build(family: str, attn_implementation: str | None = None) -> Any:
             if "norm" in name:
                 p.add_(0.1 * torch.randn(p.shape, generator=g))
     return model
+
+
+def random_value_transform(hkv: int, d: int, seed: int, g: torch.Generator) -> tuple:
+    """(matrix, inverse, "general"): a Hadamard-based Woodbury transform with a random rank-4 update and scales,
+    the value transform the folding tests fold (draws from ``g`` in a fixed order)."""
+    from kvsqueeze.transforms.matrices import GeneralTransform
+
+    t = GeneralTransform(hkv, d, rank=4, base="hadamard", seed=seed + 1)
+    with torch.no_grad():
+        t.u.normal_(0, 0.2, generator=g)
+        t.s.normal_(0, 0.3, generator=g)
+    return t.matrix().detach(), t.inverse().detach(), "general"

@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import kvsqueeze
-from _families import FAMILIES, build
+from _families import FAMILIES, build, random_value_transform
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, load_artifact
 from kvsqueeze.calibrate.collect import CalibrationData, model_rope_tables
 from kvsqueeze.calibrate.fold import fold_transforms
@@ -26,7 +26,7 @@ from kvsqueeze.layout import attention_facts
 from kvsqueeze.quant.extras import PreRopeExtras
 from kvsqueeze.rope import pair_order
 from kvsqueeze.spec import QuantSpec
-from kvsqueeze.transforms.matrices import GeneralTransform, rope_commuting, rope_commuting_inverse
+from kvsqueeze.transforms.matrices import rope_commuting, rope_commuting_inverse
 
 FAMILY_NAMES = list(FAMILIES)
 # method label -> settings (tiny: window 8, 2 sinks, 2 learning steps)
@@ -186,11 +186,7 @@ def _transforms(m, seed: int = 0):
             u, phi = u[:1].expand_as(u), torch.zeros_like(phi)
         a, a_inv = rope_commuting(u, phi), rope_commuting_inverse(u, phi)
         keys.append((a[..., order, :][..., order], a_inv[..., order, :][..., order], "rope-commuting"))
-        t = GeneralTransform(hkv, d, rank=4, base="hadamard", seed=seed + 1)
-        with torch.no_grad():
-            t.u.normal_(0, 0.2, generator=g)
-            t.s.normal_(0, 0.3, generator=g)
-        values.append((t.matrix().detach(), t.inverse().detach(), "general"))
+        values.append(random_value_transform(hkv, d, seed, g))
     return keys, values
 
 

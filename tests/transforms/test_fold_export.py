@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from _families import random_value_transform
 from kvsqueeze.adapter import QuantizedCache
 from kvsqueeze.cache.codecs_transform import TransformedCodec
 from kvsqueeze.cache.factory import make_codec
@@ -47,11 +48,7 @@ def _random_transforms(model, seed: int = 0, online_keys: bool = False):
         else:
             u, phi = torch.randn(hkv, D // 2, generator=g) * 0.5, torch.rand(hkv, D // 2, generator=g) * 6
             keys.append((rope_commuting(u, phi), rope_commuting_inverse(u, phi), "rope-commuting"))
-        t = GeneralTransform(hkv, D, rank=4, base="hadamard", seed=seed + 1)
-        with torch.no_grad():
-            t.u.normal_(0, 0.2, generator=g)
-            t.s.normal_(0, 0.3, generator=g)
-        values.append((t.matrix().detach(), t.inverse().detach(), "general"))
+        values.append(random_value_transform(hkv, D, seed, g))
     return keys, values
 
 
