@@ -111,6 +111,7 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
             if layer.attend is None:
                 layer.attend = resolve_backend(layer.backend, query.device)
             out = layer.attend(query, layer.plan(), attention_mask, scaling)
+        layer.finish_step()  # commits this layer now (quantizing what left the window); undone if the step fails
     except BaseException:
         if layer.step is not None:
             layer.step.abort()  # a failed step leaves every layer as it was before the step
@@ -121,7 +122,6 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
                 lay.end_of_step()
         raise
     layer.attended = True  # read by QuantizedCache.update of the next layer
-    layer.finish_step()
     if getattr(layer, "end_of_step", None) is not None:
         layer.end_of_step()
     return out.transpose(1, 2).contiguous(), None

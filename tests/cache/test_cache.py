@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from kvsqueeze import QuantizedCache, preset
 from kvsqueeze.cache.emulate import fake_quantize_cache
+from kvsqueeze.kernels import reference
 from kvsqueeze.spec import CacheSpec, QuantSpec
 
 SMALL_KIVI = CacheSpec(key=QuantSpec(bits=2, axis="channel", group=8), value=QuantSpec(bits=2, axis="token", group=32),
@@ -305,3 +306,51 @@ def test_multi_query_attention():
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     q = _decode(model, ids, QuantizedCache(model.config, SMALL_KIVI), 30)
     assert q.shape == ref.shape and (q - ref).abs().max() < 0.5
+
+
+def test_each_layer_commits_right_after_its_attention(tiny_llama):
+    """A chunk's full-precision K/V never outlive their layer: when layer i attends, every earlier layer has
+    already quantized what left its window."""
+    cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
+    with torch.no_grad():
+        tiny_llama(_ids(40), past_key_values=cache)
+    seen = []
+    for i, layer in enumerate(cache.layers):
+        inner = layer.kv.attend or reference.attend
+
+        def spy(query, plan, mask, scaling, i=i, inner=inner):
+            seen.append([(lay.kv.pending is None, lay.kv.n_total) for lay in cache.layers])
+            return inner(query, plan, mask, scaling)
+
+        layer.kv.attend = spy
+    with torch.no_grad():
+        tiny_llama(_ids(64, seed=1), past_key_values=cache)
+    n = len(cache.layers)
+    assert len(seen) == n
+    for i, state in enumerate(seen):
+        assert state == [(True, 104)] * i + [(False, 40)] + [(True, 40)] * (n - i - 1)
+
+
+@pytest.mark.parametrize("failing", ["first", "last"])
+def test_a_step_failing_after_earlier_layers_committed_is_rolled_back(tiny_llama, failing):
+    """Earlier layers have already quantized the step's tokens (flushing the window into new blocks) when a later
+    layer fails: the whole step is undone, and the cache then continues exactly as one that never saw it."""
+    ids = _ids(150)
+    ref = QuantizedCache(tiny_llama.config, SMALL_KIVI)
+    cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
+    with torch.no_grad():
+        for c in (ref, cache):
+            tiny_llama(ids[:, :50], past_key_values=c)
+    before = (cache.get_seq_length(), cache.nbytes())
+
+    def boom(*args):
+        raise RuntimeError("kernel failure")
+
+    cache.layers[0 if failing == "first" else -1].kv.attend = boom
+    with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
+        tiny_llama(_ids(70, seed=5), past_key_values=cache)  # 70 tokens: several groups leave the window
+    assert (cache.get_seq_length(), cache.nbytes()) == before
+    cache.layers[0 if failing == "first" else -1].kv.attend = None
+    got = _decode(tiny_llama, ids[:, 50:], cache, 60)
+    want = _decode(tiny_llama, ids[:, 50:], ref, 60)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)

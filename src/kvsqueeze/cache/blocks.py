@@ -156,6 +156,18 @@ class BlockStore:
                 vs.append(v[:, :, lo - start:hi - start])
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
+    def checkpoint(self) -> tuple:
+        """What :meth:`restore` needs to undo every append and eviction made after this call (blocks are only
+        written past their ``used`` count, so remembering the counts is enough)."""
+        return (list(self.blocks), [blk.used for blk in self.blocks], self.end, self.begin,
+                {side: dict(d) for side, d in self.shared.items()})
+
+    def restore(self, state: tuple) -> None:
+        blocks, used, self.end, self.begin, shared = state
+        for blk, n in zip(blocks, used):
+            blk.used = n
+        self.blocks, self.shared = list(blocks), {side: dict(d) for side, d in shared.items()}
+
     def truncate(self, n_end: int) -> None:
         """Forget tokens from store index ``n_end`` on (must fall on a token-group boundary)."""
         keep = []

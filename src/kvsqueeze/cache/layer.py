@@ -3,7 +3,9 @@
 Token order is sinks | history (block store) | window | pending.  ``stage`` records the new tokens of a forward
 step without touching stored state; attention reads the stored segments plus the exact new tokens (so a
 prompt's own logits come from exact K/V); ``commit`` then moves tokens that left the window into the history,
-quantizing each exactly once.  Nothing here imports transformers.
+quantizing each exactly once.  Each layer commits right after its own attention (a :class:`StepTracker` keeps the
+step all-or-nothing across layers through checkpoints), so a prompt's full-precision K/V never outlive one layer.
+Nothing here imports transformers.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from .plan import EXACT, Segment, SegmentPlan
 
 class FpWindow:
     """Full-precision ring of recent tokens: append writes in place, dropping from the front moves a start index;
-    the live tokens are compacted to the front only when the buffer end is reached (amortised O(1))."""
+    the live tokens are compacted to the front of a new buffer only when the buffer end is reached (amortised
+    O(1)).  Live tokens are never overwritten in place, so a checkpoint is the buffers and two indices."""
 
     def __init__(self, capacity: int):
         self.capacity = max(capacity, 1)
@@ -41,9 +44,9 @@ class FpWindow:
             self.k, self.v = self._alloc(k, self.capacity), self._alloc(v, self.capacity)
         if self.start + self.length + t > self.k.shape[2]:
             cap = max(self.k.shape[2], 2 * (self.length + t))
-            nk, nv = (self._alloc(k, cap), self._alloc(v, cap)) if cap > self.k.shape[2] else (self.k, self.v)
-            nk[:, :, : self.length] = self.k[:, :, self.start:self.start + self.length].clone()
-            nv[:, :, : self.length] = self.v[:, :, self.start:self.start + self.length].clone()
+            nk, nv = self._alloc(k, cap), self._alloc(v, cap)
+            nk[:, :, : self.length] = self.k[:, :, self.start:self.start + self.length]
+            nv[:, :, : self.length] = self.v[:, :, self.start:self.start + self.length]
             self.k, self.v, self.start = nk, nv, 0
         end = self.start + self.length
         self.k[:, :, end:end + t] = k
@@ -55,6 +58,12 @@ class FpWindow:
             return None, None
         s, e = self.start, self.start + self.length
         return self.k[:, :, s:e], self.v[:, :, s:e]
+
+    def checkpoint(self) -> tuple:
+        return self.k, self.v, self.start, self.length
+
+    def restore(self, state: tuple) -> None:
+        self.k, self.v, self.start, self.length = state
 
     def drop_front(self, n: int) -> None:
         self.start += n
@@ -77,32 +86,35 @@ class FpWindow:
 
 
 class StepTracker:
-    """Makes a forward step all-or-nothing across layers: layers commit together once every layer's attention
-    is done; a step that raised part-way (its layers still pending) is discarded by :meth:`settle`, which the
-    cache calls before anything reads or edits it, and by the next step's first update."""
+    """Makes a forward step all-or-nothing across layers, while each layer commits as soon as its own attention is
+    done (so no layer holds the step's K/V in full precision longer than its attention needs them: a long prompt's
+    full-precision part stays one layer's chunk).  A layer records a checkpoint before it commits; the checkpoints
+    are dropped once every layer is done.  A step that raised part-way is rolled back by :meth:`abort` (from the
+    failing attention) or by :meth:`settle`, which the cache calls before anything reads or edits it."""
 
     def __init__(self, layers: Callable[[], list[LayerKV]]):
         self._layers = layers  # a getter: layers are replaced on reset
-        self.done: set[int] = set()
+        self.saved: dict[int, tuple[LayerKV, tuple]] = {}
 
     @property
     def layers(self) -> list[LayerKV]:
         return self._layers()
 
     def layer_done(self, layer: LayerKV) -> None:
-        self.done.add(id(layer))
-        if len(self.done) == len(self.layers):
-            for lay in self.layers:
-                lay.commit()
-            self.done.clear()
+        self.saved[id(layer)] = (layer, layer.checkpoint())
+        layer.commit()
+        if len(self.saved) == len(self.layers):
+            self.saved.clear()
 
     def abort(self) -> None:
+        for layer, state in self.saved.values():
+            layer.restore(state)
+        self.saved.clear()
         for lay in self.layers:
             lay.pending = None
-        self.done.clear()
 
     def settle(self) -> None:
-        if any(lay.pending is not None for lay in self.layers):
+        if self.saved or any(lay.pending is not None for lay in self.layers):
             self.abort()
 
 
@@ -192,6 +204,19 @@ class LayerKV:
         kc, vc = make_codec(self.spec.key, d, k.dtype), make_codec(self.spec.value, d, k.dtype)
         self.store = BlockStore(kc, vc, b, h, self.spec.block_tokens, k.device)
         self.store.fast_encode = self.fast_encode
+
+    def checkpoint(self) -> tuple:
+        """The committed state, cheaply (references and counts: storage is append-only, see :meth:`restore`)."""
+        return (self.n_total, self.sink_k, self.sink_v, self.window.checkpoint(),
+                None if self.store is None else self.store.checkpoint())
+
+    def restore(self, state: tuple) -> None:
+        """Back to a :meth:`checkpoint` taken in the current step (what was appended since is forgotten)."""
+        self.n_total, self.sink_k, self.sink_v, win, store = state
+        self.window.restore(win)
+        if store is not None:
+            self.store.restore(store)
+        self.pending = None
 
     def commit(self) -> None:
         """Move the pending tokens in: first sinks, then the window; tokens pushed out of the window are
