@@ -137,6 +137,21 @@ class QuantSpec:
 
 FULL = QuantSpec(fmt="none")
 
+# Prompt tokens per forward pass wherever kvsqueeze fills a cache (0 = the whole prompt in one pass).  Chunks bound
+# what a long prompt holds in full precision (one layer's chunk of K/V) and the transient activations.
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def check_prefill_chunk(chunk: int, max_positions: int | None = None) -> int:
+    """``chunk`` if usable: 0 (one pass) or a positive count no larger than the model's positions."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        raise ValueError(f"the prefill chunk must be 0 (the whole prompt in one pass) or a positive number of "
+                         f"tokens, got {chunk!r}")
+    if max_positions is not None and chunk > max_positions:
+        raise ValueError(f"the prefill chunk {chunk} is larger than the model's context ({max_positions} "
+                         f"positions); use 0 (one pass) or at most {max_positions}")
+    return chunk
+
 
 def _plain(q: QuantSpec) -> QuantSpec:
     return dataclasses.replace(q, extras=None) if q.extras is not None else q

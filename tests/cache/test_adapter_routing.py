@@ -97,3 +97,27 @@ def test_patch_undo_restores_exactly_what_was_there(tiny_llama):
     assert model.config._attn_implementation == ATTN_NAME
     handle.undo()
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_transformers_chunked_prefill_works_with_the_cache(tiny_llama, batch):
+    """``generate(..., prefill_chunk_size=N)`` fills the cache chunk by chunk (each chunk quantized as it leaves
+    the window) and scores the same as kvsqueeze's own chunked prefill followed by greedy steps."""
+    from kvsqueeze.eval.peers import prefill
+
+    spec = "k2c16-v2t16-w16-s2"
+    ids = torch.cat([_ids(70, seed=s) for s in range(batch)])
+    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        got = tiny_llama.generate(ids, past_key_values=QuantizedCache(tiny_llama.config, spec),
+                                  prefill_chunk_size=24, **kw)
+        one_pass = tiny_llama.generate(ids, past_key_values=QuantizedCache(tiny_llama.config, spec), **kw)
+        cache = QuantizedCache(tiny_llama.config, spec)
+        head = tiny_llama.get_output_embeddings()
+        want = [head(prefill(tiny_llama, ids, cache, chunk=24))]
+        for step in range(3):
+            h = tiny_llama.model(input_ids=got.sequences[:, 70 + step:71 + step], past_key_values=cache).last_hidden_state
+            want.append(head(h[:, -1]))
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(torch.stack(got.logits)[0], torch.stack(one_pass.logits)[0], atol=1e-4)
+    assert _impls(tiny_llama) == ("sdpa", "sdpa")

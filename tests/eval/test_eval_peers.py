@@ -13,9 +13,9 @@ from kvsqueeze.resolve import registered_peers, resolve_kv
 from kvsqueeze.spec import CacheSpec
 
 
-def _fill(model, cache, n, seed=0):
+def _fill(model, cache, n, seed=0, chunk=0):
     ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(seed))
-    peers.prefill(model, ids[:, :-1], cache)
+    peers.prefill(model, ids[:, :-1], cache, chunk)
     with torch.no_grad():
         model(ids[:, -1:], past_key_values=cache)  # one decode step: the quanto residual holds 1 token
     return cache
@@ -86,4 +86,28 @@ def test_quanto_axis1_prompts_are_split_at_group_boundaries(tiny_llama):
     _fill(tiny_llama, cache, 101)  # would raise inside quanto if the prompt were not split
     assert cache.get_seq_length() == 101
     with pytest.raises(ValueError, match="at least 32 tokens"):
-        peers.prefill_pieces(tiny_llama, cache, 20)
+        peers.prefill_pieces(tiny_llama, cache, 20, chunk=0)
+    # chunks are multiples of the alignment too (rounded down, at least one alignment), the remainder last
+    assert peers.prefill_pieces(tiny_llama, cache, 100, chunk=40) == [32, 32, 32, 4]
+    assert peers.prefill_pieces(tiny_llama, cache, 100, chunk=10) == [32, 32, 32, 4]
+    assert peers.prefill_pieces(tiny_llama, cache, 100, chunk=0) == [96, 4]
+    cache = _fill(tiny_llama, peers.make_cache(tiny_llama, "hf-quanto-int2-axis1"), 101, chunk=40)
+    assert cache.get_seq_length() == 101
+
+
+def test_prompts_are_split_into_chunks(tiny_llama):
+    cache = QuantizedCache(tiny_llama.config, "kivi-2")
+    assert peers.prefill_pieces(tiny_llama, cache, 1100) == [512, 512, 76]
+    assert peers.prefill_pieces(tiny_llama, cache, 1100, chunk=0) == [1100]
+    assert peers.prefill_pieces(tiny_llama, cache, 300, chunk=100) == [100, 100, 100]
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="must be 0 .* or a positive number of tokens"):
+            peers.prefill_pieces(tiny_llama, cache, 10, chunk=bad)
+
+
+@pytest.mark.parametrize("kv", ["full", "hf-dynamic"])
+def test_chunked_prefill_of_an_exact_cache_equals_one_pass(tiny_llama, kv):
+    ids = torch.randint(2, 256, (2, 90), generator=torch.Generator().manual_seed(1))
+    one = peers.prefill(tiny_llama, ids, peers.make_cache(tiny_llama, kv), chunk=0)
+    chunked = peers.prefill(tiny_llama, ids, peers.make_cache(tiny_llama, kv), chunk=16)
+    torch.testing.assert_close(chunked, one, atol=1e-5, rtol=1e-4)

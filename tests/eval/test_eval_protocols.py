@@ -28,16 +28,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return abs(math.exp(float(a.mean())) / math.exp(float(b.mean())) - 1)
 
 
-@pytest.mark.parametrize("prefix", [0, 30])
-def test_window_equals_decode_through_the_real_cache(tiny_llama, prefix):
+@pytest.mark.parametrize("prefix,prefill_chunk", [(0, 0), (30, 0), (50, 24), (50, 16)])
+def test_window_equals_decode_through_the_real_cache(tiny_llama, prefix, prefill_chunk):
+    """Also with a chunked prefill of the prefix: chunks after the first see the earlier ones as stored."""
     ids = _ids(72)
-    window = P.nll_window(tiny_llama, ids, SMALL_KIVI, prefix)
-    decode = P.nll_decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, SMALL_KIVI), prefix)
+    window = P.nll_window(tiny_llama, ids, SMALL_KIVI, prefix, prefill_chunk)
+    decode = P.nll_decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, SMALL_KIVI), prefix, prefill_chunk)
     assert window.shape == decode.shape == (72 - max(prefix, 1),)
     assert _rel(window, decode) < 1e-3
     torch.testing.assert_close(window, decode, atol=1e-3, rtol=0)
     # and the quantization is really there: the same text at full precision scores differently
     assert (window - P.nll_reference(tiny_llama, ids, prefix)).abs().max() > 1e-3
+
+
+def test_a_chunked_prefill_is_seen_by_the_prefix_queries(tiny_llama):
+    """A prefill chunk after the first attends over quantized history (16-token window, groups of 8), so the K/V
+    it leaves in deeper layers, and every score after it, differ from a one-pass prefill's."""
+    ids = _ids(72)
+    one = P.nll_decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, SMALL_KIVI), 50, 0)
+    chunked = P.nll_decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, SMALL_KIVI), 50, 24)
+    assert (one - chunked).abs().max() > 1e-4
+    assert P.committed_tokens(8, 5, 2) == [0, 0, 2, 2, 4, 5, 6, 7]
+    assert P.committed_tokens(8, 5, 0) == [0, 0, 0, 0, 0, 5, 6, 7]
 
 
 def test_window_equals_decode_with_sliding_layers(tiny_mixed_sliding):

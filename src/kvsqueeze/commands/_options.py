@@ -68,6 +68,34 @@ def add_corpus(group: Any, what: str = "corpus") -> None:
                             "else (offline) python-docs, the Python interpreter's own documentation text")
 
 
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer of at least 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (one pass) or a positive number of tokens, got {value}")
+    return value
+
+
+def add_prefill_chunk(p: argparse.ArgumentParser) -> None:
+    from kvsqueeze.spec import DEFAULT_PREFILL_CHUNK
+
+    p.add_argument("--prefill-chunk", type=non_negative_int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help=f"prompt tokens per forward pass (per sequence) when filling the cache; 0 = the whole prompt "
+                        f"in one pass. Chunks bound the memory of a long prompt: each chunk's K/V are quantized as "
+                        f"soon as they leave the window (default {DEFAULT_PREFILL_CHUNK})")
+
+
+def check_prefill_chunk(args: argparse.Namespace, model: Any) -> int:
+    """--prefill-chunk against the model's context (after the model is loaded)."""
+    from kvsqueeze.spec import check_prefill_chunk as check
+
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return check(args.prefill_chunk, limit)
+
+
 def add_kv(p: argparse.ArgumentParser, default: str | None = None, help: str = KV_HELP) -> None:
     """--kv: required unless the command has a ``default``."""
     if default is None:

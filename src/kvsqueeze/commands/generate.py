@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    _options.add_prefill_chunk(p)
     _options.add_threads(p)
 
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
+    _options.check_prefill_chunk(args, model)
     cache = QuantizedCache(model.config, spec)
     if not args.raw and getattr(tok, "chat_template", None):
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature if sample else None, top_p=None, top_k=None,
                        streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
-                       pad_token_id=tok.pad_token_id)
+                       pad_token_id=tok.pad_token_id, prefill_chunk_size=args.prefill_chunk or None)
     nb = cache.nbytes()
     print(f"[{spec.name}] {cache.get_seq_length()} tokens, {nb.summary()}, "
           f"{nb.total / max(cache.get_seq_length(), 1):.0f} bytes/token, threads {torch.get_num_threads()}")

@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="which K/V each scored token sees (default: window for presets, decode for transformers' "
                         "caches, which only decode can measure, all-quantized for vllm:*, which only it can)")
     p.add_argument("--prefix", type=int, default=None,
-                   help="tokens prefilled exactly before scoring (default: context/2 for decode, 0 for window)")
+                   help="tokens prefilled before scoring (default: context/2 for decode, 0 for window)")
+    _options.add_prefill_chunk(p)
     _options.add_json(p, "the full result")
 
 
@@ -40,15 +41,18 @@ def run(args: argparse.Namespace) -> int:
     corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
     meta.check_context(model, args.context, "--context")
+    _options.check_prefill_chunk(args, model)
     ids = corpus_mod.tokenize(corpus, tokenizer)
     chunks = corpus_mod.eval_chunks(ids, args.context, args.chunks)
-    print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}), {args.chunks} x {args.context} "
-          f"tokens of {corpus.name}, {threads} threads")
+    chunking = "" if protocol == "all-quantized" or not prefix else \
+        f", prefill chunk {args.prefill_chunk or 'one pass'}"
+    print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}{chunking}), {args.chunks} x "
+          f"{args.context} tokens of {corpus.name}, {threads} threads")
     print(f"corpus {corpus_mod.summary(corpus)}; found by: {'; '.join(corpus.resolution)}")
     if vllm_peer.is_vllm(kv):
         res = vllm_peer.run_ppl(kv, chunks, args.model, threads)
     else:
-        res = run_ppl(model, chunks, args.kv, protocol, prefix)
+        res = run_ppl(model, chunks, args.kv, protocol, prefix, prefill_chunk=args.prefill_chunk)
     wall = time.perf_counter() - start
     b = res.get("kv_bytes")
     if b is None:  # vLLM's paged cache: bits per element from its dtype

@@ -18,6 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plain text prompt, or the tokenizer's chat template (default plain)")
     p.add_argument("--haystack-text", default=None,
                    help="build the haystack from this text file's sentences instead of the generated filler")
+    _options.add_prefill_chunk(p)
     _options.add_json(p)
     p.add_argument("--png", default=None, help="heat-map image (default: next to a --json file, same name, .png)")
 
@@ -39,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
     haystack = load_text_file(args.haystack_text) if args.haystack_text else None
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
     meta.check_context(model, max(lengths), "retrieval length")
+    _options.check_prefill_chunk(args, model)
     print(f"kvsqueeze retrieval: {args.kv}, lengths {', '.join(map(str, lengths))}, depths "
-          f"{', '.join(f'{d:g}' for d in depths)}, {args.trials} trial(s), {threads} threads")
+          f"{', '.join(f'{d:g}' for d in depths)}, {args.trials} trial(s), prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads")
     res = run_retrieval(model, tokenizer, args.kv, lengths, depths, args.trials, args.format,
-                        None if haystack is None else haystack.text)
+                        None if haystack is None else haystack.text, prefill_chunk=args.prefill_chunk)
     print("depth \\ length " + " ".join(f"{n:>7}" for n in lengths))
     for d, row in zip(depths, res["accuracy"]):
         print(f"{d:>14g} " + " ".join(f"{100 * a:>6.0f}%" for a in row))

@@ -13,6 +13,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids) (default 1024)")
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed (default 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
+    _options.add_prefill_chunk(p)
+    p.add_argument("--budget", default=None, metavar="SIZE",
+                   help="also print the capacity in this memory budget (e.g. 2GiB): the longest context (batch 1) "
+                        "and the largest batch of 4096-token sequences, projected from this run's peak and the "
+                        "cache's exact bytes (kvsqueeze.eval.capacity)")
     _options.add_json(p)
 
 
@@ -20,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from kvsqueeze.eval import meta
+    from kvsqueeze.eval.capacity import parse_budget
     from kvsqueeze.eval.peers import describe
     from kvsqueeze.eval.speed import lifetime_max_rss, measure_speed
 
@@ -30,10 +36,15 @@ def run(args: argparse.Namespace) -> int:
     for what, v in (("--context", args.context), ("--decode-tokens", args.decode_tokens), ("--batch", args.batch)):
         if v < 1:
             raise ValueError(f"{what} must be at least 1, got {v}")
+    budget = None if args.budget is None else parse_budget(args.budget)
+    if budget is not None and vllm_peer.is_vllm(kv):
+        raise ValueError("--budget projects from a cache measured in this process; vLLM's cache lives in its own "
+                         "process (drop --budget for vllm:* caches)")
     model, _, threads = meta.load_for_eval(args.model, args.threads)
     meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
+    _options.check_prefill_chunk(args, model)
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
-          f"steps, {threads} threads")
+          f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads")
     if vllm_peer.is_vllm(kv):
         vocab = model.get_output_embeddings().weight.shape[0]
         r = vllm_peer.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads)
@@ -44,16 +55,36 @@ def run(args: argparse.Namespace) -> int:
                                        "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
                                        "date": meta.now(), "machine": meta.machine_info()})
         return 0
-    r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch)
+    r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch, prefill_chunk=args.prefill_chunk)
     b = r["kv_bytes"]
     bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
     print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
           f"{r['decode_ms_per_token']:.2f} ms/token (median of {args.decode_tokens}); peak RSS "
           f"{r['peak_rss_bytes'] / 2**20:.0f} MiB (+{r['peak_rss_delta_bytes'] / 2**20:.0f} MiB during the run); "
           f"KV {b['total'] / 2**20:.2f} MiB = {bits} bits/element, {b['bytes_per_token']:.0f} bytes/token")
+    if r["cuda_peak_allocated_delta_bytes"] is not None:
+        print(f"CUDA peak allocated +{r['cuda_peak_allocated_delta_bytes'] / 2**20:.0f} MiB during the run")
+    if budget is not None:
+        r["capacity"] = _capacity(model, args.kv, r, budget)
     if args.json:
         record = {**r, "cache": describe([args.kv])[0], "lifetime_max_rss_bytes": lifetime_max_rss(),
                   "model": meta.model_info(model, args.model), "wall_seconds": time.perf_counter() - start,
                   "command": meta.command_line(args), "date": meta.now(), "machine": meta.machine_info()}
         _options.write_json(args, record)
     return 0
+
+
+def _capacity(model, kv: str, measured: dict, budget: int) -> dict:
+    from kvsqueeze.eval import capacity as cap
+
+    cost = cap.cache_cost(model, kv)
+    transient = cap.transient_per_sequence(measured)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    c = cap.capacity(cost, transient, budget, limit)
+    longest = f"{c['max_context']} tokens" + (f" (the model's limit; the budget holds {c['max_tokens']})"
+                                              if c["limited_by_model_positions"] else "")
+    print(f"capacity in {budget / 2**30:.2f} GiB: longest context {longest}; {c['max_batch']} sequences of "
+          f"{c['batch_context']} tokens ({c['bytes_per_sequence'] / 2**20:.1f} MiB each: cache "
+          f"{(c['fixed_bytes'] + c['bytes_per_token'] * c['batch_context']) / 2**20:.1f} + transient "
+          f"{c['transient_bytes_per_sequence'] / 2**20:.1f}, the transient from this run's peak)")
+    return c

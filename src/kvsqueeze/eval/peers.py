@@ -27,7 +27,7 @@ import torch
 
 from ..cache.accounting import ByteTotals
 from ..resolve import register_peer, resolve_kv
-from ..spec import CacheSpec
+from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec, check_prefill_chunk
 from . import vllm_peer  # noqa: F401  (registers the vllm:<kv_cache_dtype> peers)
 
 
@@ -106,33 +106,40 @@ def make_cache(model: Any, name: str | CacheSpec) -> Any:
                                        residual_length=kv.residual_length)
 
 
-def prefill_pieces(model: Any, cache: Any, n_tokens: int, batch: int = 1) -> list[int]:
-    """How to split an ``n_tokens`` prompt into forward calls the cache accepts.
+def prefill_pieces(model: Any, cache: Any, n_tokens: int, batch: int = 1,
+                   chunk: int = DEFAULT_PREFILL_CHUNK) -> list[int]:
+    """How to split an ``n_tokens`` prompt into forward calls: ``chunk`` tokens each (0 = one call).
 
     quanto's axis -1 groups run over the flattened batch x heads x tokens axis, so every tensor it quantizes
     (the prompt, then the whole history at each flush of the 128-token residual) must hold a multiple of the
-    group size there.  The prompt goes in as its largest aligned part, and the remainder as a second call that
-    lands in the full-precision residual.  Every other cache takes the prompt in one call."""
+    group size there: its pieces are multiples of that alignment (the chunk rounded down, at least one
+    alignment), and an unaligned remainder goes in last, where it lands in the full-precision residual."""
+    check_prefill_chunk(chunk)
+    if n_tokens < 1:
+        raise ValueError(f"a prompt of at least one token is needed, got {n_tokens}")
+    step = chunk or n_tokens
     layer = cache.layers[0] if getattr(cache, "layers", None) else None
-    if -1 not in (getattr(layer, "axis_key", None), getattr(layer, "axis_value", None)):
-        return [n_tokens]
-    from ..layout import model_kv_layout
+    if -1 in (getattr(layer, "axis_key", None), getattr(layer, "axis_value", None)):
+        from ..layout import model_kv_layout
 
-    rows = batch * model_kv_layout(model.config)["num_kv_heads"]
-    step = layer.q_group_size // math.gcd(layer.q_group_size, rows)
-    aligned = n_tokens // step * step
-    if aligned == 0:
-        raise ValueError(f"quanto with axis -1 needs prompts of at least {step} tokens (got {n_tokens})")
-    return [aligned] + ([n_tokens - aligned] if n_tokens > aligned else [])
+        rows = batch * model_kv_layout(model.config)["num_kv_heads"]
+        align = layer.q_group_size // math.gcd(layer.q_group_size, rows)
+        aligned = n_tokens // align * align
+        if aligned == 0:
+            raise ValueError(f"quanto with axis -1 needs prompts of at least {align} tokens (got {n_tokens})")
+        step = max(align, min(step, aligned) // align * align)
+        pieces = [step] * (aligned // step) + ([aligned % step] if aligned % step else [])
+        return pieces + ([n_tokens - aligned] if n_tokens > aligned else [])
+    return [step] * (n_tokens // step) + ([n_tokens % step] if n_tokens % step else [])
 
 
 @torch.no_grad()
-def prefill(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    """Feed a prompt [B, T] into ``cache`` (split as :func:`prefill_pieces` says); returns the final hidden
-    state of the last position [B, H]."""
+def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    """Feed a prompt [B, T] into ``cache``, ``chunk`` tokens per forward pass (0 = one pass; split as
+    :func:`prefill_pieces` says); returns the final hidden state of the last position [B, H]."""
     start = 0
     out = None
-    for n in prefill_pieces(model, cache, ids.shape[1], ids.shape[0]):
+    for n in prefill_pieces(model, cache, ids.shape[1], ids.shape[0], chunk):
         out = model.base_model(input_ids=ids[:, start:start + n], past_key_values=cache, use_cache=True)
         start += n
     return out.last_hidden_state[:, -1]

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..resolve import resolve_kv
-from ..spec import CacheSpec
+from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec
 from .peers import Peer, footprint, make_cache, prefill
 from .protocols import PROTOCOLS, nll_all_quantized, nll_decode, nll_window, protocol_note, scored_start
 from .vllm_peer import VllmPeer, is_vllm
@@ -45,17 +45,20 @@ def stored_spec(kv: CacheSpec | Peer, protocol: str) -> CacheSpec | Peer:
 
 
 @torch.no_grad()
-def measure_footprint(model: Any, kv: CacheSpec | Peer, chunk: torch.Tensor) -> dict[str, Any]:
+def measure_footprint(model: Any, kv: CacheSpec | Peer, chunk: torch.Tensor,
+                      prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """Bytes of the real cache after a prefill of one chunk [1, T]."""
     cache = make_cache(model, kv if isinstance(kv, CacheSpec) else kv.name)
-    prefill(model, chunk, cache)
+    prefill(model, chunk, cache, prefill_chunk)
     return footprint(cache).as_dict()
 
 
 def run_ppl(model: Any, chunks: torch.Tensor, kv_name: str, protocol: str, prefix: int | None = None,
-            progress: Any = None, footprints: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+            progress: Any = None, footprints: dict[str, dict[str, Any]] | None = None,
+            prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """Perplexity of ``kv_name`` on ``chunks`` [N, T].  ``footprints`` memoizes the byte measurement per
-    stored layout across calls."""
+    stored layout across calls.  ``prefill_chunk``: prefix tokens per forward pass (decode and window protocols;
+    0 = one pass)."""
     kv = resolve_kv(kv_name)
     n_chunks, context = chunks.shape
     prefix = default_prefix(protocol, context) if prefix is None else prefix
@@ -67,9 +70,9 @@ def run_ppl(model: Any, chunks: torch.Tensor, kv_name: str, protocol: str, prefi
         ids = chunks[i:i + 1]
         if protocol == "decode":
             cache = make_cache(model, kv_name)
-            nll = nll_decode(model, ids, cache, prefix)
+            nll = nll_decode(model, ids, cache, prefix, prefill_chunk)
         elif protocol == "window":
-            nll = nll_window(model, ids, kv, prefix)
+            nll = nll_window(model, ids, kv, prefix, prefill_chunk)
         else:
             nll = nll_all_quantized(model, ids, kv)
         nll_sum += float(nll.sum())
@@ -83,7 +86,7 @@ def run_ppl(model: Any, chunks: torch.Tensor, kv_name: str, protocol: str, prefi
     else:
         footprints = {} if footprints is None else footprints
         if repr(stored) not in footprints:
-            footprints[repr(stored)] = measure_footprint(model, stored, chunks[:1])
+            footprints[repr(stored)] = measure_footprint(model, stored, chunks[:1], prefill_chunk)
         kv_bytes = footprints[repr(stored)]
         measured_on = f"the real cache after a prefill of one chunk ({context} tokens)"
     spec = kv if isinstance(kv, CacheSpec) else None
@@ -99,6 +102,7 @@ def run_ppl(model: Any, chunks: torch.Tensor, kv_name: str, protocol: str, prefi
         "chunks": n_chunks,
         "stride": context,
         "prefix": prefix,
+        "prefill_chunk": prefill_chunk if protocol != "all-quantized" else None,
         "scored_positions": f"targets {scored_start(prefix)}..{context - 1} of each chunk",
         "ppl_per_chunk": per_chunk,
         "kv_bytes": kv_bytes,

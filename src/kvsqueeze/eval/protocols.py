@@ -3,12 +3,13 @@
 Every function takes one chunk ``ids`` [1, T] and returns the negative log-likelihood (float64, nats) of the
 target tokens ``start .. T-1`` where ``start = max(prefix, 1)``: target t is predicted from positions < t.
 
-* ``decode``: prefill ``prefix`` tokens exactly, then feed the rest one token at a time through the real cache.
-  Exact for any cache (ours or a peer's), and slow.
+* ``decode``: prefill ``prefix`` tokens (``prefill_chunk`` tokens per forward pass, 0 = one pass), then feed the
+  rest one token at a time through the real cache.  Exact for any cache (ours or a peer's), and slow.
 * ``window``: one forward pass; the query at position t sees token j's exact K/V when j is a sink, in the
   full-precision window, or part of the current step, and the K/V the cache would have quantized otherwise,
-  as the real cache stores it after ``t`` tokens (``spec.quantized_count``).  Queries before ``prefix`` see
-  everything exact (they belong to the prefill).  Equal to ``decode`` with the same prefix (tested).
+  as the real cache stores it after ``t`` tokens (``spec.quantized_count``).  Queries before ``prefix`` belong to
+  the prefill: they see the cache as it stood before their prefill chunk (everything exact for a one-pass
+  prefill).  Equal to ``decode`` with the same prefix and prefill chunk (tested).
 * ``all-quantized``: every token's K/V is quantized, the query's own token included, ignoring window and sinks
   (the KVQuant / llama.cpp protocol); see :data:`ALL_QUANTIZED_NOTE` for token-grouped layouts.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..spec import CacheSpec
+from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec
 
 PROTOCOLS = ("decode", "window", "all-quantized")
 QUERY_BLOCK = 256  # queries scored per block: bounds the [queries x keys] score matrices
@@ -30,9 +31,10 @@ LOGIT_ROWS = 512  # positions sent through the LM head at a time: bounds the [po
 
 WINDOW_NOTE = ("one forward pass per chunk; query t sees sinks, the full-precision window and its own token "
                "exact and every older token as the cache stores it after t tokens (spec.quantized_count(t)); "
-               "queries before the prefix see exact K/V as in a prefill; equal to the decode protocol")
-DECODE_NOTE = ("prefill of the first `prefix` tokens, then one token per forward pass through the real cache; "
-               "targets from the prefix on are scored")
+               "queries before the prefix see the cache as it stood before their prefill chunk (all exact for a "
+               "one-pass prefill); equal to the decode protocol")
+DECODE_NOTE = ("prefill of the first `prefix` tokens (`prefill_chunk` tokens per forward pass, 0 = one pass), then "
+               "one token per forward pass through the real cache; targets from the prefix on are scored")
 ALL_QUANTIZED_NOTE = (
     "every key and value is quantized, the query's own token included; window and sinks are ignored. "
     "Per-token layouts are causal by construction. For groups spanning tokens (per-channel keys over G-token "
@@ -82,26 +84,28 @@ def nll_reference(model: Any, ids: torch.Tensor, prefix: int = 0) -> torch.Tenso
 
 
 @torch.no_grad()
-def nll_decode(model: Any, ids: torch.Tensor, cache: Any, prefix: int) -> torch.Tensor:
-    """Prefill ``max(prefix, 1)`` tokens into ``cache`` (any cache, ours or a peer's), then one token per step;
-    score each next token."""
+def nll_decode(model: Any, ids: torch.Tensor, cache: Any, prefix: int,
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    """Prefill ``max(prefix, 1)`` tokens into ``cache`` (any cache, ours or a peer's; ``prefill_chunk`` tokens per
+    pass, 0 = one pass), then one token per step; score each next token."""
     from .peers import prefill
 
     check_prefix(prefix, ids.shape[1])
     s = scored_start(prefix)
-    rows = [prefill(model, ids[:, :s], cache)]
+    rows = [prefill(model, ids[:, :s], cache, prefill_chunk)]
     for t in range(s, ids.shape[1] - 1):
         rows.append(_hidden(model, ids[:, t:t + 1], past_key_values=cache, use_cache=True)[0, -1:])
     return _nll(model, torch.cat(rows), ids[0, s:])
 
 
 @torch.no_grad()
-def nll_window(model: Any, ids: torch.Tensor, spec: CacheSpec, prefix: int = 0) -> torch.Tensor:
-    """The window protocol: one pass, each query seeing what kvsqueeze's cache would give it."""
+def nll_window(model: Any, ids: torch.Tensor, spec: CacheSpec, prefix: int = 0,
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
+    """The window protocol: one pass, each query seeing what kvsqueeze's cache would give it (the prefix
+    prefilled ``prefill_chunk`` tokens per pass, 0 = one pass)."""
     check_prefix(prefix, ids.shape[1])
     layer_specs = _layer_specs(model, spec)
-    # tokens the cache holds when query t runs: none during the prefill, t afterwards
-    committed = [0 if i < prefix else i for i in range(ids.shape[1])]
+    committed = committed_tokens(ids.shape[1], prefix, prefill_chunk)
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
         out = window_attend(query, key, value, attention_mask, _scaling(query, scaling),
@@ -122,6 +126,14 @@ def nll_all_quantized(model: Any, ids: torch.Tensor, spec: CacheSpec) -> torch.T
         return out.transpose(1, 2).contiguous(), None
 
     return _scored_pass(model, ids, attend, 0)
+
+
+def committed_tokens(length: int, prefix: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> list[int]:
+    """Tokens the cache holds when the query at each position runs: during the prefill of the first
+    ``scored_start(prefix)`` tokens, those of the chunks before its own (none for a one-pass prefill); then one
+    token per step."""
+    s = scored_start(prefix)
+    return [(i // prefill_chunk * prefill_chunk if prefill_chunk else 0) if i < s else i for i in range(length)]
 
 
 def window_attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

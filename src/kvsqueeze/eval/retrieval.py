@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..spec import DEFAULT_PREFILL_CHUNK
+
 INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will ask you for the pass key at the end.\n")
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
@@ -128,12 +130,14 @@ class PromptBuilder:
 
 
 @torch.no_grad()
-def greedy_answer(model: Any, tokenizer: Any, ids: list[int], cache: Any, max_new_tokens: int = MAX_NEW_TOKENS) -> str:
-    """Greedy decoding through ``cache``; stops at EOS or once a number has been written and followed by more."""
+def greedy_answer(model: Any, tokenizer: Any, ids: list[int], cache: Any, max_new_tokens: int = MAX_NEW_TOKENS,
+                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> str:
+    """Greedy decoding through ``cache`` (the prompt prefilled ``prefill_chunk`` tokens per pass, 0 = one pass);
+    stops at EOS or once a number has been written and followed by more."""
     from .peers import prefill
 
     head = model.get_output_embeddings()
-    h = prefill(model, torch.tensor([ids]), cache)
+    h = prefill(model, torch.tensor([ids]), cache, prefill_chunk)
     out: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(head(h).argmax(-1))
@@ -157,8 +161,9 @@ def cells(lengths: Sequence[int], depths: Sequence[float], trials: int) -> Itera
 
 def run_retrieval(model: Any, tokenizer: Any, kv: str, lengths: Sequence[int], depths: Sequence[float],
                   trials: int = 1, fmt: str = "plain", corpus_text: str | None = None,
-                  progress: Any = None) -> dict[str, Any]:
-    """Accuracy per (length, depth) of the cache ``kv`` (a preset, spec or peer name)."""
+                  progress: Any = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
+    """Accuracy per (length, depth) of the cache ``kv`` (a preset, spec or peer name); prompts prefilled
+    ``prefill_chunk`` tokens per forward pass (0 = one pass)."""
     from .peers import make_cache
 
     builder = PromptBuilder(tokenizer, filler_sentences(corpus_text), fmt)
@@ -166,13 +171,13 @@ def run_retrieval(model: Any, tokenizer: Any, kv: str, lengths: Sequence[int], d
     for length, depth, trial in cells(lengths, depths, trials):
         key = passkey_for(length, depth, trial)
         ids = builder.ids(length, depth, key)
-        answer = greedy_answer(model, tokenizer, ids, make_cache(model, kv))
+        answer = greedy_answer(model, tokenizer, ids, make_cache(model, kv), prefill_chunk=prefill_chunk)
         results.append({"length": length, "depth": depth, "trial": trial, "prompt_tokens": len(ids),
                         "passkey": key, "answer": answer, "correct": score_answer(answer, key)})
         if progress is not None:
             progress.update(1)
     return {"kv": kv, "format": fmt, "haystack": "corpus" if corpus_text is not None else "generated",
-            "trials": trials, "lengths": list(lengths), "depths": list(depths),
+            "trials": trials, "prefill_chunk": prefill_chunk, "lengths": list(lengths), "depths": list(depths),
             "accuracy": accuracy_grid(results, lengths, depths),
             "mean_accuracy": sum(r["correct"] for r in results) / len(results), "cells": results}
 

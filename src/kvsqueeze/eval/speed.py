@@ -21,6 +21,8 @@ from typing import Any
 import psutil
 import torch
 
+from ..spec import DEFAULT_PREFILL_CHUNK
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -92,33 +94,45 @@ def _timer(out: list[float]) -> Iterator[None]:
     out.append(time.perf_counter() - t)
 
 
+def _sync(cuda: bool) -> None:
+    if cuda:  # CUDA work is asynchronous: a timer must wait for it
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
 def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: int = 1,
-                  seed: int = 0) -> dict[str, Any]:
-    """Prefill a ``context``-token random prompt (``batch`` rows) into a fresh cache, then ``decode_tokens``
-    greedy steps; returns times, memory and the cache's bytes."""
+                  seed: int = 0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
+    """Prefill a ``context``-token random prompt (``batch`` rows; ``prefill_chunk`` tokens per forward pass, 0 = one
+    pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes."""
     from .peers import footprint, make_cache, prefill
 
     if context < 1 or decode_tokens < 1 or batch < 1:
         raise ValueError("context, decode tokens and batch must all be positive")
     vocab = model.get_output_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, context), generator=g)
+    ids = torch.randint(0, vocab, (batch, context), generator=g).to(model.device)
     head = model.get_output_embeddings()
     model.base_model(input_ids=ids[:, :8], use_cache=False)  # warm-up: one-off allocations and kernel choice
     cache = make_cache(model, kv)
     prefill_s: list[float] = []
     steps: list[float] = []
+    cuda = ids.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    cuda_start = torch.cuda.memory_allocated() if cuda else 0
     with PeakRSS() as mem:
         with _timer(prefill_s):
-            nxt = head(prefill(model, ids, cache)).argmax(-1, keepdim=True)
+            nxt = head(prefill(model, ids, cache, prefill_chunk)).argmax(-1, keepdim=True)
+            _sync(cuda)
         for _ in range(decode_tokens):
             with _timer(steps):
                 h = model.base_model(input_ids=nxt, past_key_values=cache, use_cache=True).last_hidden_state
                 nxt = head(h[:, -1]).argmax(-1, keepdim=True)
+                _sync(cuda)
     kv_bytes = footprint(cache)
     return {
-        "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch,
+        "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch, "prefill_chunk": prefill_chunk,
         "prefill_s": prefill_s[0],
         "prefill_tokens_per_s": batch * context / prefill_s[0],
         "decode_ms_per_token": 1000 * statistics.median(steps),
@@ -126,6 +140,8 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
         "decode_ms_steps": [round(1000 * s, 3) for s in steps],
         "peak_rss_bytes": mem.peak, "rss_before_bytes": mem.start, "peak_rss_delta_bytes": mem.peak - mem.start,
         "peak_rss_method": mem.method,
+        # on CUDA, what the caching allocator handed out at its peak, above what was allocated before
+        "cuda_peak_allocated_delta_bytes": torch.cuda.max_memory_allocated() - cuda_start if cuda else None,
         "kv_bytes": kv_bytes.as_dict(),
         "threads": torch.get_num_threads(),
     }
