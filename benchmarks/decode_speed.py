@@ -1,11 +1,16 @@
 """End-to-end CPU decode speed: kvsqueeze presets vs transformers' DynamicCache and quanto QuantizedCache.
 
-Embedded SmolLM2-135M, batch 1.  For every context length each cache is prefilled with the same random prompt
+Embedded SmolLM2-135M, batch 1 (``--batch B``: B random prompts decoded together).  For every context length each cache is prefilled with the same random prompt
 (timed), then decode steps are interleaved across the caches (step i of every cache before step i+1 of any), so
 background load on a shared machine hits every preset alike.  Prints a markdown table (median decode ms/token,
 prefill s) and the ratios the issue asks for.
 
     PYTHONPATH=src python benchmarks/decode_speed.py --threads 2 --contexts 1024 4096 8192 --steps 24
+    PYTHONPATH=src python benchmarks/decode_speed.py --threads 2 --contexts 4096 --batch 8 --copy-prefill \
+        --presets full kivi-4 kivi-2 hf-quanto-int4 --steps 12
+
+Each decode step also prints the packed bytes kvsqueeze's attention reads per step (codes + scales + the exact
+window/sinks of every layer) divided by the step's median time: a lower bound of the read bandwidth reached.
 """
 
 from __future__ import annotations
@@ -66,10 +71,10 @@ def fill_from(cache, name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor
 
 @torch.inference_mode()
 def run_context(model, names: list[str], context: int, steps: int, backend: str, seed: int,
-                copy_prefill: bool = False, prefill_repeats: int = 1) -> dict:
+                copy_prefill: bool = False, prefill_repeats: int = 1, batch: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    prompt = torch.randint(100, vocab - 100, (1, context), generator=g)
+    prompt = torch.randint(100, vocab - 100, (batch, context), generator=g)
     state = {}
     shared = None
     warm = prompt[:, :128]
@@ -115,11 +120,17 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
             st["steps"].append(dt)
             st["next"] = out[:, -1:].argmax(-1)
             st["pos"] += 1
-    result = {n: {"prefill": s["prefill"], "decode_ms": 1e3 * statistics.median(s["steps"][1:] or s["steps"])}
-              for n, s in state.items()}
+    result = {n: {"prefill": s["prefill"], "decode_ms": 1e3 * statistics.median(s["steps"][1:] or s["steps"]),
+                  "kv_bytes": _kv_bytes(s["cache"])} for n, s in state.items()}
     del state
     gc.collect()
     return result
+
+
+def _kv_bytes(cache) -> int:
+    from kvsqueeze.eval.peers import footprint
+
+    return footprint(cache).total
 
 
 def _dense(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -139,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=list(OURS + PEERS))
     p.add_argument("--backend", default="auto", help="kvsqueeze attention backend (auto, cpu, torch)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together (default 1)")
     p.add_argument("--prefill-repeats", type=int, default=2,
                    help="prefill rounds over all caches (interleaved); the fastest of each cache counts (default 2)")
     p.add_argument("--copy-prefill", action="store_true",
@@ -157,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in args.contexts:
         t = time.perf_counter()
         rows[ctx] = run_context(model, args.presets, ctx, args.steps, args.backend, args.seed, args.copy_prefill,
-                                args.prefill_repeats)
+                                args.prefill_repeats, args.batch)
         print(f"context {ctx}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
 
-    print(f"\nCPU decode, SmolLM2-135M fp32, batch 1, {args.threads} threads, backend={args.backend}, "
+    print(f"\nCPU decode, SmolLM2-135M fp32, batch {args.batch}, {args.threads} threads, backend={args.backend}, "
           f"median of {args.steps - 1} interleaved steps; prefill = fastest of "
           f"{args.prefill_repeats} interleaved rounds after a warm-up\n")
     head = "| preset | " + " | ".join(f"{c} decode ms/tok | {c} prefill s" for c in args.contexts) + " |"
@@ -183,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 parts.append(f"quanto-int4/this decode {r['hf-quanto-int4']['decode_ms'] / r[name]['decode_ms']:.2f}x")
             if "hf-dynamic" in r:
                 parts.append(f"decode/hf-dynamic {r[name]['decode_ms'] / r['hf-dynamic']['decode_ms']:.2f}")
+            parts.append(f"KV read {r[name]['kv_bytes'] / 2**20:.0f} MiB/step = "
+                         f"{r[name]['kv_bytes'] / r[name]['decode_ms'] / 1e6:.2f} GB/s")
             print(f"  {ctx:>6} {name:<7} " + ", ".join(parts))
     return 0
 
