@@ -64,8 +64,10 @@ def fill_from(cache, name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor
     """Load prefilled K/V into a cache as a prefill would (each cache quantizes them itself)."""
     set_attention(model, name)
     for i, (k, v) in enumerate(kv):
-        cache.update(k, v, i)
-        if not name.startswith("hf-"):
+        if name.startswith("hf-"):
+            cache.update(k, v, i)
+        else:  # kvsqueeze's layer directly: what its attention does after a step (stage, then commit)
+            cache.layers[i].kv.stage(k, v)
             cache.layers[i].kv.commit()
 
 

@@ -112,7 +112,12 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, context), generator=g).to(model.device)
     head = model.get_output_embeddings()
-    model.base_model(input_ids=ids[:, :8], use_cache=False)  # warm-up: one-off allocations and kernel choice
+    # warm-up, untimed: one-off allocations, and the cache's kernels chosen (and built: the C++ one is compiled on
+    # first use) by a short prefill and a decode step of the same kind of cache
+    warm = make_cache(model, kv)
+    prefill(model, ids[:1, :min(context, 128)], warm, prefill_chunk and 64)
+    model.base_model(input_ids=ids[:1, :1], past_key_values=warm, use_cache=True)
+    del warm
     cache = make_cache(model, kv)
     prefill_s: list[float] = []
     steps: list[float] = []
