@@ -207,3 +207,22 @@ def test_bench_with_a_vllm_row(tmp_path, tiny_llama, tiny_tokenizer, capsys):
     assert cells[7] == "n/a (not run through vLLM)" and cells[-1] == "n/a (vLLM runs in its own processes)"
     assert "computed, not measured in-process" in md and "ppl_vs_bits.png" in md
     assert "| `vllm:auto` |" in out  # the table printed at the end
+
+
+def test_report_cells_of_vllm_rows():
+    """The bench report's cells for vLLM rows, from a results record: the reason in every empty cell, vLLM's
+    quantized rows also against vllm:auto."""
+    from kvsqueeze.eval.report import ppl_cell, retrieval_cell
+
+    def rec(ppl):
+        return {"ppl": ppl}
+
+    results = {"ppl": {"window": {"full": rec(20.0)}, "decode": {"full": rec(20.0)},
+                       "all-quantized": {"full": rec(20.0), "vllm:auto": rec(19.8), "vllm:fp8_e4m3": rec(20.394)}},
+               "not_measured": {n: {"window": "vLLM quantizes every token", "retrieval": "not run through vLLM"}
+                                for n in ("vllm:auto", "vllm:fp8_e4m3")}}
+    assert ppl_cell(results, "all-quantized", "vllm:auto") == "19.800 (-1.00%)"
+    assert ppl_cell(results, "all-quantized", "vllm:fp8_e4m3") == "20.394 (+1.97%) (+3.00% vs vllm:auto)"
+    assert ppl_cell(results, "window", "vllm:auto") == "n/a (vLLM quantizes every token)"
+    assert retrieval_cell(results, "vllm:fp8_e4m3") == "n/a (not run through vLLM)"
+    assert ppl_cell(results, "decode", "kivi-4") == "n/a"  # nothing recorded: no reason invented
