@@ -197,6 +197,9 @@ def test_bench_with_a_vllm_row(tmp_path, tiny_llama, tiny_tokenizer, capsys):
     assert set(speed) == {"32", "64"} and speed["64"]["kv_bytes"]["tokens"] == 64 + 2
     assert speed["64"]["kv_bytes"]["total"] == (64 + 2) * 1024 and speed["64"]["peak_rss_bytes"] is None
     assert speed["64"]["engine"].startswith("vllm ") and speed["32"]["prefill_s"] < 60
+    # decode ms/token: vLLM's time per output token over the 2 decode steps, measured (not a difference clamped at 0)
+    assert speed["64"]["decode_ms_per_token"] == pytest.approx(1000 * speed["64"]["decode_s"] / 2)
+    assert speed["64"]["decode_s"] > 0
 
     md = (folder / "report.md").read_text()
     vrow = next(line for line in md.splitlines() if line.startswith("| `vllm:auto` | peer |"))

@@ -228,8 +228,9 @@ def _vllm_note(results: dict[str, Any], caches: list[dict[str, Any]]) -> str:
             f"decode are n/a); in parentheses also the change vs `{VLLM_REFERENCE}`, vLLM's unquantized cache. "
             "bits/element and KV bytes/token are computed, not measured in-process (vLLM preallocates a paged pool "
             "in its own process): dtype bits (auto: the weights' dtype) x tokens x layers x KV heads x head_dim x 2, "
-            "plus one fp32 k_scale and v_scale per layer for fp8. speed: prefill = one `generate` of 1 token, "
-            "decode = (time of decode+1 tokens - prefill) / decode tokens, vLLM's scheduling included; peak RSS "
+            "plus one fp32 k_scale and v_scale per layer for fp8. speed: prefill = the time until the batch's "
+            "first token; decode = time from the first token to the last / decode "
+            "steps (time per output token, one run, not a median), vLLM's scheduling included; peak RSS "
             "is n/a (vLLM's processes are not this one). Retrieval is not run through vLLM.")
 
 

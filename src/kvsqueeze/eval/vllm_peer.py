@@ -251,7 +251,10 @@ def _speed_records(peer: VllmPeer, contexts: list[int], decode_tokens: int, batc
             "decode_tokens": decode_tokens, "batch": batch, "prefill_s": run["prefill_s"],
             "prefill_tokens_per_s": batch * context / run["prefill_s"],
             "decode_ms_per_token": run["decode_ms_per_token"],
-            "decode_note": "(generate time of decode+1 tokens - prefill time) / decode tokens, whole batch per step",
+            "decode_s": run["decode_s"],
+            "prefill_note": "time from submitting the batch until every row has its first token",
+            "decode_note": "time from the first token to the last over the decode steps (vLLM's time per output "
+                           "token), whole batch per step, one run",
             "bits_per_element": peer.bits_per_element() if footprint is None else footprint["bits_per_element"],
             "threads": threads,
             **({} if footprint is None else {"kv_bytes": footprint}),

@@ -17,11 +17,14 @@ The result is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>"}``;
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import time
 import typing
+
+_REQUEST_IDS = itertools.count()
 
 
 def _accepted_kv_dtypes() -> list[str]:
@@ -93,23 +96,38 @@ def _logprobs(llm, rows: list[list[int]]) -> dict:
     return {"nll": nll, "seconds": seconds}
 
 
-def _speed(llm, prompt_sets: list[list[list[int]]], decode: int) -> dict:
+def _timed_generate(llm, rows: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """Greedy ``max_tokens`` for every row, as one batch, stepping vLLM's engine: (seconds from submission until
+    every row has its first token, seconds from then until the last token)."""
     from vllm import SamplingParams
 
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    many = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate(_prompts([row[:8] for row in prompt_sets[0]]), one, use_tqdm=False)  # warm-up
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    for row in rows:
+        engine.add_request(f"kvsqueeze-speed-{next(_REQUEST_IDS)}", {"prompt_token_ids": [int(t) for t in row]},
+                           params)
+    produced: dict[str, int] = {}
+    first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        last = time.perf_counter()
+        if first is None and len(produced) == len(rows) and min(produced.values()) >= 1:
+            first = last
+    if first is None or min(produced.values()) != max_tokens:
+        raise RuntimeError(f"vLLM produced {sorted(produced.values())} tokens per row, not {max_tokens}")
+    return first - start, last - first
+
+
+def _speed(llm, prompt_sets: list[list[list[int]]], decode: int) -> dict:
+    """Per set: prefill = time to the first token of every row; decode ms/token = time from there to the last
+    token over the ``decode`` steps in between (vLLM's time per output token), one run on one engine."""
+    _timed_generate(llm, [row[:8] for row in prompt_sets[0]], 2)  # warm-up
     runs = []
     for rows in prompt_sets:
-        prompts = _prompts(rows)
-        t = time.perf_counter()
-        llm.generate(prompts, one, use_tqdm=False)
-        prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        llm.generate(prompts, many, use_tqdm=False)
-        total = time.perf_counter() - t
-        runs.append({"prefill_s": prefill, "generate_s": total,
-                     "decode_ms_per_token": 1000 * max(total - prefill, 0.0) / decode})
+        prefill, decoding = _timed_generate(llm, rows, decode + 1)
+        runs.append({"prefill_s": prefill, "decode_s": decoding, "decode_ms_per_token": 1000 * decoding / decode})
     return {"runs": runs}
 
 
