@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv", type=_csv(str), default=None,
                    help="comma-separated caches to measure instead of the default presets and peers: each a "
                         "preset, a spec string, a calibration artifact directory or a peer (as --kv of kvsqueeze "
-                        "ppl)")
+                        "ppl), vllm:<kv_cache_dtype> included (vLLM in its own process: all-quantized ppl and "
+                        "speed, bytes computed from the dtype; docs/vllm.md)")
     _options.add_corpus(p.add_mutually_exclusive_group(), "perplexity corpus")
     p.add_argument("--out", default="bench", help="reports go to OUT/<timestamp>/ (default bench)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -46,10 +46,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
           f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads")
     if vllm_peer.is_vllm(kv):
+        from kvsqueeze.layout import model_kv_layout
+
         vocab = model.get_output_embeddings().weight.shape[0]
-        r = vllm_peer.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads)
+        r = vllm_peer.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads,
+                                    layout=model_kv_layout(model.config))
+        b = r.get("kv_bytes")
+        size = "" if b is None else (f"; KV {b['total'] / 2**20:.2f} MiB = {b['bits_per_element']:.3f} bits/element, "
+                                     f"computed from the dtype")
         print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
-              f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, in its own process)")
+              f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, in its own process)"
+              f"{size}")
         if args.json:
             _options.write_json(args, {**r, "cache": describe([args.kv])[0], "model": meta.model_info(model, args.model),
                                        "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),

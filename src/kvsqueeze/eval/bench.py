@@ -1,5 +1,6 @@
-"""The main job: perplexity, retrieval, speed and memory of kvsqueeze presets and transformers' caches, measured
-in one run on one model, written as report.md + results.json + PNG plots under bench/<timestamp>/."""
+"""The main job: perplexity, retrieval, speed and memory of kvsqueeze presets, transformers' caches and (named with
+``--kv vllm:<dtype>``) vLLM's, measured in one run on one model, written as report.md + results.json + PNG plots
+under bench/<timestamp>/."""
 
 from __future__ import annotations
 
@@ -15,13 +16,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..errors import UnsupportedCacheError
+from ..external.vllm_client import VllmError
+from ..layout import model_kv_layout
 from ..resolve import resolve_kv
-from . import meta, report
+from . import meta, report, vllm_peer
 from .peers import PEERS, Peer, describe
 from .retrieval import generated_haystack
 from .vllm_peer import is_vllm
 
+# seconds to start a vLLM engine on the embedded model (import, load, profile), measured ~12 s on 2 idle cores
+VLLM_ENGINE_START_S = 15.0
 QUICK_PRESETS = ("full", "int8", "int4", "kivi-4", "kivi-2", "kivi-2-sink4")
 QUICK_PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
 FULL_PRESETS = ("full", "int8", "fp8-e4m3", "int4", "int2", "kivi-4", "kivi-3", "kivi-2", "kivi-4-sink4",
@@ -54,8 +58,10 @@ class BenchPlan:
 def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) -> BenchPlan:
     """Default sizes for --quick (< 10 min on 2 cores with the embedded model) or the full run, then overrides.
 
-    Caches named explicitly must all be usable; from the default list, peers whose optional library is
-    missing are skipped with a note."""
+    Caches named explicitly must all be usable: a vLLM peer needs vLLM, and vLLM on this machine must run its KV
+    dtype (checked here, in one child process, before any model is loaded: fp8 on a CPU without AVX-512 is refused
+    in one line).  From the default list (which names no vLLM peer), peers whose optional library is missing are
+    skipped with a note."""
     if quick:
         plan = BenchPlan(True, [*QUICK_PRESETS, *QUICK_PEERS], ppl_context=512, ppl_chunks=2, ppl_decode_tokens=128,
                          lengths=[1024], depths=[0.0, 0.5, 1.0], trials=1, speed_contexts=[512, 2048],
@@ -70,12 +76,9 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
         if value is not None:
             setattr(plan, key, value)
     if caches is not None:
-        for name in caches:
-            if is_vllm(resolve_kv(name)):
-                raise UnsupportedCacheError(
-                    f"bench does not run {name} yet (its report reads the bytes of an in-process cache): measure "
-                    f"vLLM's caches with kvsqueeze ppl / speed --kv {name}, or benchmarks/vllm_table.py")
         plan.caches = list(dict.fromkeys(caches))
+        for name in plan.caches:  # an unknown name or a missing library: one line
+            resolve_kv(name)
     else:
         usable = []
         for name in plan.caches:
@@ -86,6 +89,7 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
                 plan.skipped.append(f"{name}: {exc}")
         plan.caches = usable
     _validate(plan)
+    vllm_peer.check_runs_here([kv for kv in map(resolve_kv, plan.caches) if is_vllm(kv)])  # after cheap checks
     return plan
 
 
@@ -140,6 +144,10 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
 
     total = 0.0
     for name in plan.caches:
+        if is_vllm(resolve_kv(name)):  # one engine start, then about a plain forward's cost
+            total += VLLM_ENGINE_START_S + sum(pre(n) + plan.speed_decode_tokens * dec(n) for n in plan.speed_contexts)
+            total += plan.ppl_chunks * pre(plan.ppl_context) if with_ppl else 0.0
+            continue
         f = factor(name)
         peer = isinstance(resolve_kv(name), Peer)
         if with_ppl:
@@ -189,6 +197,11 @@ def _bar(total: int, desc: str, enabled: bool) -> tqdm:
     return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
 
 
+def _in_process(plan: BenchPlan) -> list[str]:
+    """The caches measured in this process (all but vLLM's: :func:`run_vllm_stage`)."""
+    return [c for c in plan.caches if not is_vllm(resolve_kv(c))]
+
+
 def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> dict[str, dict[str, Any]]:
     from .ppl import run_ppl
 
@@ -196,8 +209,9 @@ def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> d
     footprints: dict[str, dict[str, Any]] = {}
     prefix = plan.ppl_context - plan.ppl_decode_tokens
     n = plan.ppl_chunks
-    peers = [c for c in plan.caches if isinstance(resolve_kv(c), Peer)]
-    ours = [c for c in plan.caches if c not in peers]
+    caches = _in_process(plan)
+    peers = [c for c in caches if isinstance(resolve_kv(c), Peer)]
+    ours = [c for c in caches if c not in peers]
     with _bar(n * (3 * len(ours) + len(peers)), "perplexity", progress) as bar:
         for name in ours:
             bar.set_postfix_str(name)
@@ -220,8 +234,9 @@ def run_retrieval_stage(model: Any, tokenizer: Any, plan: BenchPlan, progress: b
 
     out = {}
     per = len(plan.lengths) * len(plan.depths) * plan.trials
-    with _bar(per * len(plan.caches), "retrieval", progress) as bar:
-        for name in plan.caches:
+    caches = _in_process(plan)  # vLLM: not run (the report says so)
+    with _bar(per * len(caches), "retrieval", progress) as bar:
+        for name in caches:
             bar.set_postfix_str(name)
             out[name] = run_retrieval(model, tokenizer, name, plan.lengths, plan.depths, plan.trials,
                                       plan.retrieval_format, progress=bar)
@@ -232,8 +247,9 @@ def run_speed_stage(model: Any, plan: BenchPlan, progress: bool) -> dict[str, di
     from .speed import measure_speed
 
     out: dict[str, dict[str, Any]] = {}
-    with _bar(len(plan.caches) * len(plan.speed_contexts), "speed", progress) as bar:
-        for name in plan.caches:
+    caches = _in_process(plan)
+    with _bar(len(caches) * len(plan.speed_contexts), "speed", progress) as bar:
+        for name in caches:
             bar.set_postfix_str(name)
             out[name] = {}
             # untimed warm-up of this cache kind: the first call pays one-off costs (loading the C++ kernel,
@@ -242,6 +258,42 @@ def run_speed_stage(model: Any, plan: BenchPlan, progress: bool) -> dict[str, di
             for ctx in sorted(plan.speed_contexts):
                 out[name][str(ctx)] = measure_speed(model, name, ctx, plan.speed_decode_tokens)
                 bar.update(1)
+    return out
+
+
+def run_vllm_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool, model_source: str | None,
+                   threads: int, results: dict[str, Any]) -> dict[str, str]:
+    """vLLM's rows: perplexity (all-quantized protocol) on the same ``chunks`` and speed on the same prompts, one
+    engine per KV dtype in a child process, added to ``results["ppl"]["all-quantized"]`` and ``results["speed"]``.
+    A vLLM failure (say a model vLLM cannot load) does not end the bench: returns {name: the one-line reason}."""
+    failed: dict[str, str] = {}
+    names = [c for c in plan.caches if is_vllm(resolve_kv(c))]
+    vocab = model.get_output_embeddings().weight.shape[0]
+    contexts = sorted(plan.speed_contexts)
+    with _bar(len(names), "vLLM", progress) as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            try:
+                ppl, speed = vllm_peer.measure(resolve_kv(name), chunks, model_source, vocab, contexts,
+                                               plan.speed_decode_tokens, threads, model_kv_layout(model.config))
+            except VllmError as exc:
+                failed[name] = str(exc)
+            else:
+                if ppl is not None:
+                    results["ppl"]["all-quantized"][name] = ppl
+                results["speed"][name] = {str(ctx): r for ctx, r in speed.items()}
+            bar.update(1)
+    return failed
+
+
+def not_measured(plan: BenchPlan, failed: dict[str, str]) -> dict[str, dict[str, str]]:
+    """Per cache, the report cells it cannot fill and why (short): vLLM's protocols and memory, a vLLM failure."""
+    out: dict[str, dict[str, str]] = {}
+    for name in plan.caches:
+        if is_vllm(resolve_kv(name)):
+            out[name] = {**vllm_peer.NOT_APPLICABLE, "retrieval": "not run through vLLM"}
+            if name in failed:
+                out[name] |= {"all-quantized": "vLLM failed", "speed": "vLLM failed"}
     return out
 
 
@@ -260,6 +312,8 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
             raise
         corpus_missing = str(exc)  # not even the corpus Python ships: perplexity is skipped, with the reason
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    if any(is_vllm(resolve_kv(c)) for c in plan.caches):
+        vllm_peer.model_dir(args.model)  # the Hugging Face directory vLLM will load, or one line now
     for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
                     ("speed context", max(plan.speed_contexts))):
         meta.check_context(model, n, what)
@@ -287,6 +341,9 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
         results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
     results["retrieval"] = run_retrieval_stage(model, tokenizer, plan, progress)
     results["speed"] = run_speed_stage(model, plan, progress)
+    failed = run_vllm_stage(model, chunks, plan, progress, args.model, threads, results)
+    results["not_measured"] = not_measured(plan, failed)
+    plan.skipped += [f"{name}: {reason}" for name, reason in failed.items()]
     results["skipped"] = plan.skipped
     results["meta"] = {
         "command": meta.command_line(args), "date": meta.now(), "threads": threads,

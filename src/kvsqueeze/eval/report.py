@@ -41,23 +41,37 @@ def _fmt_ppl(x: float) -> str:
     return f"{x:.3f}" if x < 100 else f"{x:.1f}" if x < 10000 else f"{x:.3g}"
 
 
+VLLM_REFERENCE = "vllm:auto"  # vLLM's unquantized cache: the second reference of vLLM's quantized rows
+
+
+def not_available(results: dict[str, Any], name: str, column: str) -> str:
+    """An empty cell: "n/a", with the short reason the bench recorded for it (``results["not_measured"]``)."""
+    reason = results.get("not_measured", {}).get(name, {}).get(column)
+    return f"n/a ({reason})" if reason else "n/a"
+
+
 def ppl_cell(results: dict[str, Any], protocol: str, name: str) -> str:
-    r = results.get("ppl", {}).get(protocol, {}).get(name)
+    col = results.get("ppl", {}).get(protocol, {})
+    r = col.get(name)
     if r is None:
-        return "n/a"
+        return not_available(results, name, protocol)
     mark = "*" if r.get("emulated_by") else ""
-    return _fmt_ppl(r["ppl"]) + mark + _fmt_delta(delta(r["ppl"], baseline(results, protocol)))
+    cell = _fmt_ppl(r["ppl"]) + mark + _fmt_delta(delta(r["ppl"], baseline(results, protocol)))
+    ref = col.get(VLLM_REFERENCE)
+    if name.startswith("vllm:") and name != VLLM_REFERENCE and ref is not None:  # vLLM's own loss
+        cell += f" ({delta(r['ppl'], ref['ppl']):+.2f}% vs {VLLM_REFERENCE})"
+    return cell
 
 
 def storage(results: dict[str, Any], name: str) -> dict[str, Any] | None:
     """Bytes for the table: the speed run at the largest context, else the first ppl measurement."""
     speed = results.get("speed", {}).get(name, {})
     if speed:
-        return speed[max(speed, key=int)]["kv_bytes"]
-    for protocol in ("decode", "window"):
+        return speed[max(speed, key=int)].get("kv_bytes")
+    for protocol in ("decode", "window", "all-quantized"):
         r = results.get("ppl", {}).get(protocol, {}).get(name)
         if r is not None:
-            return r["kv_bytes"]
+            return r.get("kv_bytes")
     return None
 
 
@@ -71,14 +85,18 @@ def _fmt_bits(b: dict[str, Any] | None) -> str:
 def retrieval_cell(results: dict[str, Any], name: str) -> str:
     r = results.get("retrieval", {}).get(name)
     if r is None:
-        return "n/a"
+        return not_available(results, name, "retrieval")
     hits = sum(c["correct"] for c in r["cells"])
     return f"{100 * hits / len(r['cells']):.0f}% ({hits}/{len(r['cells'])})"
 
 
 def _speed(results: dict[str, Any], name: str, ctx: int, field: str, scale: float = 1.0, digits: int = 1) -> str:
     r = results.get("speed", {}).get(name, {}).get(str(ctx))
-    return "n/a" if r is None else f"{r[field] / scale:.{digits}f}"
+    if r is None:
+        return not_available(results, name, "speed")
+    if r.get(field) is None:
+        return not_available(results, name, "peak_rss" if field == "peak_rss_bytes" else field)
+    return f"{r[field] / scale:.{digits}f}"
 
 
 # ------------------------------------------------------------------------------------------------ markdown
@@ -164,7 +182,8 @@ def _notes(results: dict[str, Any]) -> list[str]:
     notes = [
         "How to read it:",
         "- Caches: `kind` preset = kvsqueeze's QuantizedCache; peer = transformers' own cache "
-        "(DynamicCache, QuantizedCache with the quanto or fp8 backend), measured in the same run.",
+        "(DynamicCache, QuantizedCache with the quanto or fp8 backend) or vLLM's (`vllm:<kv_cache_dtype>`), "
+        "measured in the same run.",
         "- bits/element and KV bytes/token: every byte the cache holds (codes, scales and zero-points, "
         "full-precision window and sinks, a peer's residual) over the K+V elements / tokens it stores, measured "
         f"on the real cache after the {ctxs[-1]}-token speed prompt and its decode steps; in parentheses the "
@@ -178,9 +197,12 @@ def _notes(results: dict[str, Any]) -> list[str]:
         f"{tail} are scored one step at a time through the cache: real token-by-token decoding, except cells "
         "marked *, kvsqueeze presets computed with the window protocol and the same prefix, which equals "
         "real decoding through kvsqueeze's cache (tested to 1e-3 in tests/eval; `--exact-decode` decodes).",
-        "- Δ: relative to the full-precision row of the same column (`full`, else `hf-dynamic`). Peers have "
-        "no window / all-quantized figures: those protocols emulate kvsqueeze's own storage.",
+        "- Δ: relative to the full-precision row of the same column (`full`, else `hf-dynamic`). transformers' "
+        "caches have no window / all-quantized figures: those protocols emulate kvsqueeze's own storage.",
     ]
+    vllm = [c for c in results["caches"] if c["name"].startswith("vllm:")]
+    if vllm:
+        notes.append(_vllm_note(results, vllm))
     if results.get("retrieval"):
         r0 = next(iter(results["retrieval"].values()))
         notes.append(f"- retrieval: passkey accuracy over lengths {', '.join(map(str, r0['lengths']))} tokens, "
@@ -192,6 +214,24 @@ def _notes(results: dict[str, Any]) -> list[str]:
                  "peak RSS is the process's resident memory high-water mark during that measurement (freed "
                  "memory is handed back to the OS first), model weights included.")
     return notes
+
+
+def _vllm_note(results: dict[str, Any], caches: list[dict[str, Any]]) -> str:
+    engines = {r["engine"] for col in results.get("ppl", {}).values() for n, r in col.items() if n.startswith("vllm:")}
+    engines |= {r["engine"] for n, per in results.get("speed", {}).items() if n.startswith("vllm:")
+                for r in per.values()}
+    weights = caches[0].get("weights", "bf16")
+    return (f"- `vllm:*` rows: {', '.join(sorted(engines)) or 'vLLM'} in its own process on the same model "
+            f"({weights} weights, vLLM's kernels; other rows run the model in {results['meta']['model']['dtype']}), "
+            "the same chunks and prompts. ppl: `prompt_logprobs`, every token's K/V written to vLLM's cache and read "
+            "back from it: the all-quantized protocol only (vLLM keeps no full-precision window, so window and "
+            f"decode are n/a); in parentheses also the change vs `{VLLM_REFERENCE}`, vLLM's unquantized cache. "
+            "bits/element and KV bytes/token are computed, not measured in-process (vLLM preallocates a paged pool "
+            "in its own process): dtype bits (auto: the weights' dtype) x tokens x layers x KV heads x head_dim x 2, "
+            "plus one fp32 k_scale and v_scale per layer for fp8. speed: prefill = the time until the batch's "
+            "first token; decode = time from the first token to the last / decode "
+            "steps (time per output token, one run, not a median), vLLM's scheduling included; peak RSS "
+            "is n/a (vLLM's processes are not this one). Retrieval is not run through vLLM.")
 
 
 def _retrieval_table(results: dict[str, Any]) -> list[str]:
@@ -229,7 +269,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
 def plot_ppl_vs_bits(results: dict[str, Any], path: Path) -> Path | None:
     panels = [(p, label) for p, label in (("decode", "decode protocol (all caches)"),
                                           ("window", "window protocol (kvsqueeze)"),
-                                          ("all-quantized", "all-quantized protocol (kvsqueeze)"))
+                                          ("all-quantized", "all-quantized protocol (kvsqueeze, vLLM)"))
               if results.get("ppl", {}).get(p)]
     if not panels:
         return None
@@ -242,7 +282,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path) -> Path | None:
         base = baseline(results, protocol)
         pts = []
         for name, r in results["ppl"][protocol].items():
-            bits, d = r["kv_bytes"]["bits_per_element"], delta(r["ppl"], base)
+            bits, d = (r.get("kv_bytes") or {}).get("bits_per_element"), delta(r["ppl"], base)
             if bits is None or d is None:
                 continue
             pts.append((bits, d))
@@ -272,13 +312,16 @@ def _by_context(results: dict[str, Any], field: str, scale: float) -> dict[str, 
     out = {}
     for name, per_ctx in results.get("speed", {}).items():
         ctxs = sorted(int(c) for c in per_ctx)
-        vals = []
+        xs, vals = [], []
         for c in ctxs:
             v = per_ctx[str(c)]
             for key in field.split("."):
-                v = v[key]
-            vals.append(v / scale)
-        out[name] = (ctxs, vals)
+                v = None if v is None else v.get(key)
+            if v is not None:  # e.g. vLLM's peak RSS: not this process's
+                xs.append(c)
+                vals.append(v / scale)
+        if xs:
+            out[name] = (xs, vals)
     return out
 
 

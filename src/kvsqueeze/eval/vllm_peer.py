@@ -5,7 +5,8 @@ vLLM runs in a child process (:mod:`kvsqueeze.external.vllm_client`), on the sam
 Face directory (the embedded model's converted cache entry, or the ``--model`` directory).  Perplexity uses
 ``prompt_logprobs``: vLLM's CPU attention writes each token's K/V to its cache and reads every token back from
 it, so every token's K/V is quantized - kvsqueeze's ``all-quantized`` protocol; ``window`` and ``decode`` are
-refused.
+refused.  vLLM's cache is a preallocated paged pool in another process, so its bytes are computed from the KV
+dtype (:func:`kv_bytes`), never measured.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..cache.accounting import ByteTotals
 from ..errors import UnknownCacheError, UnsupportedCacheError
 from ..external import vllm_client
 from ..resolve import register_peer_family
@@ -30,7 +32,15 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
                    "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
 WEIGHT_DTYPE = "bfloat16"
+# bits per stored element of the dtypes whose layout is known (auto stores the model's dtype: WEIGHT_DTYPE)
 _BITS = {"auto": 16, "float16": 16, "bfloat16": 16, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8}
+# vLLM's attention layers hold one fp32 k_scale and one v_scale each (per tensor), used by the fp8 dtypes
+_SCALE_BYTES_PER_LAYER = 2 * 4
+# the model's own dtype: every vLLM attention backend stores it (no child process needed to check)
+RUNS_EVERYWHERE = ("auto",)
+# bench cells a vLLM peer cannot fill, and why
+NOT_APPLICABLE = {"window": "vLLM quantizes every token", "decode": "vLLM quantizes every token",
+                  "peak_rss": "vLLM runs in its own processes"}
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,13 @@ class VllmPeer:
                 "description": self.description}
 
     def bits_per_element(self) -> float | None:
-        """Cache bits per K/V element (one fp32 scale per layer and side is negligible); None where unknown."""
+        """Bits per K/V element of the dtype (without the per-layer scales: see :func:`kv_bytes`); None where the
+        dtype's layout is not known here."""
         return _BITS.get(self.kv_cache_dtype)
+
+    @property
+    def quantized(self) -> bool:
+        return (self.bits_per_element() or 16) < 16
 
 
 def make_peer(name: str) -> VllmPeer:
@@ -80,6 +95,51 @@ register_peer_family(PREFIX, make_peer)
 
 def is_vllm(kv: Any) -> bool:
     return isinstance(kv, VllmPeer)
+
+
+def check_runs_here(peers: list[VllmPeer]) -> None:
+    """One :class:`~kvsqueeze.external.vllm_client.VllmError` line unless vLLM on this machine runs every peer's
+    KV dtype (one child process for all of them, no model loaded): for commands that would otherwise find out
+    after their other work."""
+    dtypes = [p.kv_cache_dtype for p in peers if p.kv_cache_dtype not in RUNS_EVERYWHERE]
+    if dtypes:
+        vllm_client.check_kv_cache_dtypes(dtypes)
+
+
+@dataclass(frozen=True)
+class _KVBytes(ByteTotals):
+    codes: int
+    params: int
+    full_precision: int
+    elements: int
+    quantized_elements: int
+
+
+def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1) -> dict[str, Any] | None:
+    """Bytes of ``tokens`` tokens x ``batch`` sequences in vLLM's cache, computed (not measured: vLLM's paged pool
+    is preallocated in another process and filled in whole blocks): dtype bits x tokens x batch x layers x
+    kv_heads x head_dim x 2 (K and V), plus the fp8 dtypes' fp32 k_scale and v_scale per layer.  Every layer
+    holds every token (an upper bound for sliding-window layers).  Same keys as the in-process footprint records
+    (:meth:`kvsqueeze.eval.peers.KVFootprint.as_dict`); None for a dtype whose layout is not known here."""
+    bits = peer.bits_per_element()
+    if bits is None:
+        return None
+    layers = layout["num_layers"]
+    elements = 2 * tokens * batch * layers * layout["num_kv_heads"] * layout["head_dim"]
+    data = elements * bits // 8
+    params = layers * _SCALE_BYTES_PER_LAYER if peer.quantized else 0
+    totals = (_KVBytes(data, params, 0, elements, elements) if peer.quantized
+              else _KVBytes(0, 0, data, elements, 0))
+
+    def num(x: float) -> float | None:
+        return None if x != x else round(x, 6)  # JSON has no NaN
+
+    return {"codes": totals.codes, "params": totals.params, "full_precision": totals.full_precision,
+            "total": totals.total, "elements": elements, "quantized_elements": totals.quantized_elements,
+            "tokens": tokens, "batch": batch, "bits_per_element": num(totals.bits_per_element),
+            "quantized_bits_per_element": num(totals.quantized_bits_per_element),
+            "bytes_per_token": num(totals.total / (tokens * batch)),
+            "method": "computed from the KV dtype (not measured in-process)"}
 
 
 def check_protocol(peer: VllmPeer, protocol: str) -> None:
@@ -107,20 +167,61 @@ def model_dir(model_source: str | Path | None) -> Path:
 
 
 def run_ppl(peer: VllmPeer, chunks: torch.Tensor, model_source: str | Path | None, threads: int = 1,
-            progress: Any = None) -> dict[str, Any]:
+            progress: Any = None, layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Perplexity of ``chunks`` [N, T] through vLLM with this peer's KV cache (all-quantized protocol), as
-    :func:`kvsqueeze.eval.ppl.run_ppl` reports it for kvsqueeze's caches."""
+    :func:`kvsqueeze.eval.ppl.run_ppl` reports it for kvsqueeze's caches; with the model's KV ``layout``
+    (:func:`kvsqueeze.layout.model_kv_layout`) also the bytes of one chunk in vLLM's cache, computed."""
     start = time.perf_counter()
-    rows = chunks.tolist()
-    res = vllm_client.prompt_nll(model_dir(model_source), peer.kv_cache_dtype, rows, threads=threads,
+    res = vllm_client.prompt_nll(model_dir(model_source), peer.kv_cache_dtype, chunks.tolist(), threads=threads,
                                  dtype=WEIGHT_DTYPE)
     if progress is not None:
-        progress.update(len(rows))
+        progress.update(chunks.shape[0])
+    return _ppl_record(peer, chunks, res, layout, time.perf_counter() - start)
+
+
+def measure_speed(peer: VllmPeer, model_source: str | Path | None, vocab: int, context: int, decode_tokens: int,
+                  batch: int = 1, threads: int = 1, seed: int = 0,
+                  layout: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prefill seconds and decode ms/token of random prompts (the same ids kvsqueeze speed uses for its caches);
+    with the model's KV ``layout`` also the bytes the cache holds at the end (context + decode tokens per
+    sequence), computed."""
+    sets = speed_prompts(vocab, [context], batch, seed)
+    res = vllm_client.speed(model_dir(model_source), peer.kv_cache_dtype, sets, decode_tokens, threads=threads,
+                            dtype=WEIGHT_DTYPE)
+    return _speed_records(peer, [context], decode_tokens, batch, threads, res, layout)[context]
+
+
+def measure(peer: VllmPeer, chunks: torch.Tensor | None, model_source: str | Path | None, vocab: int,
+            contexts: list[int], decode_tokens: int, threads: int = 1, layout: dict[str, Any] | None = None,
+            ) -> tuple[dict[str, Any] | None, dict[int, dict[str, Any]]]:
+    """For ``kvsqueeze bench``: :func:`run_ppl` of ``chunks`` (None: no corpus, no perplexity) and
+    :func:`measure_speed` at each context (batch 1) on one vLLM engine, which starts once (seconds)."""
+    start = time.perf_counter()
+    rows = [] if chunks is None else chunks.tolist()
+    res = vllm_client.measure(model_dir(model_source), peer.kv_cache_dtype, rows, speed_prompts(vocab, contexts),
+                              decode_tokens, threads=threads, dtype=WEIGHT_DTYPE)
+    ppl = None if chunks is None else _ppl_record(peer, chunks, res, layout, time.perf_counter() - start)
+    return ppl, _speed_records(peer, contexts, decode_tokens, 1, threads, res, layout)
+
+
+def speed_prompts(vocab: int, contexts: list[int], batch: int = 1, seed: int = 0) -> list[list[list[int]]]:
+    """The random prompts kvsqueeze's speed measurement uses (:func:`kvsqueeze.eval.speed.measure_speed`), one
+    batch per context."""
+    sets = []
+    for context in contexts:
+        g = torch.Generator().manual_seed(seed)
+        sets.append(torch.randint(0, vocab, (batch, context), generator=g).tolist())
+    return sets
+
+
+def _ppl_record(peer: VllmPeer, chunks: torch.Tensor, res: dict[str, Any], layout: dict[str, Any] | None,
+                seconds: float) -> dict[str, Any]:
     nll = [torch.tensor(r, dtype=torch.float64) for r in res["nll"]]
     total = float(sum(x.sum() for x in nll))
     count = sum(x.numel() for x in nll)
     n_chunks, context = chunks.shape
     bits = peer.bits_per_element()
+    footprint = None if layout is None else kv_bytes(peer, layout, context)
     return {
         "kv": peer.name, "kind": "peer", "engine": f"vllm {res['vllm_version']}",
         "ppl": math.exp(total / count), "nll_mean": total / count, "tokens_scored": count,
@@ -129,24 +230,33 @@ def run_ppl(peer: VllmPeer, chunks: torch.Tensor, model_source: str | Path | Non
         "context": context, "chunks": n_chunks, "stride": context, "prefix": 0,
         "scored_positions": f"targets 1..{context - 1} of each chunk",
         "ppl_per_chunk": [math.exp(float(x.mean())) for x in nll],
-        "bits_per_element": bits, "quantized_bits_per_element": bits if bits and bits < 16 else None,
-        "kv_bytes_measured_on": "not measured: vLLM's paged cache is preallocated (bits per element from the dtype)",
+        "bits_per_element": bits if footprint is None else footprint["bits_per_element"],
+        "quantized_bits_per_element": (bits if peer.quantized else None) if footprint is None
+        else footprint["quantized_bits_per_element"],
+        **({} if footprint is None else {"kv_bytes": footprint, "kv_bytes_per_token": footprint["bytes_per_token"]}),
+        "kv_bytes_measured_on": "not measured: vLLM's paged cache is preallocated in its own process (computed "
+                                "from the KV dtype" + ("" if footprint is None else f", {context} tokens") + ")",
         "spec": peer.settings(), "spec_label": peer.description,
-        "seconds": time.perf_counter() - start, "vllm_seconds": res["seconds"],
+        "seconds": seconds, "vllm_seconds": res["seconds"],
     }
 
 
-def measure_speed(peer: VllmPeer, model_source: str | Path | None, vocab: int, context: int, decode_tokens: int,
-                  batch: int = 1, threads: int = 1, seed: int = 0) -> dict[str, Any]:
-    """Prefill seconds and decode ms/token of random prompts (the same ids kvsqueeze speed uses for its caches)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch, context), generator=g)
-    res = vllm_client.speed(model_dir(model_source), peer.kv_cache_dtype, ids.tolist(), decode_tokens,
-                            threads=threads, dtype=WEIGHT_DTYPE)
-    return {"kv": peer.name, "engine": f"vllm {res['vllm_version']}", "context": context,
-            "decode_tokens": decode_tokens, "batch": batch, "prefill_s": res["prefill_s"],
-            "prefill_tokens_per_s": batch * context / res["prefill_s"],
-            "decode_ms_per_token": res["decode_ms_per_token"],
-            "decode_note": "(generate time of decode+1 tokens - prefill time) / decode tokens, whole batch per step",
-            "bits_per_element": peer.bits_per_element(), "threads": threads}
-
+def _speed_records(peer: VllmPeer, contexts: list[int], decode_tokens: int, batch: int, threads: int,
+                   res: dict[str, Any], layout: dict[str, Any] | None) -> dict[int, dict[str, Any]]:
+    out = {}
+    for context, run in zip(contexts, res["runs"]):
+        footprint = None if layout is None else kv_bytes(peer, layout, context + decode_tokens, batch)
+        out[context] = {
+            "kv": peer.name, "engine": f"vllm {res['vllm_version']}", "context": context,
+            "decode_tokens": decode_tokens, "batch": batch, "prefill_s": run["prefill_s"],
+            "prefill_tokens_per_s": batch * context / run["prefill_s"],
+            "decode_ms_per_token": run["decode_ms_per_token"],
+            "decode_s": run["decode_s"],
+            "prefill_note": "time from submitting the batch until every row has its first token",
+            "decode_note": "time from the first token to the last over the decode steps (vLLM's time per output "
+                           "token), whole batch per step, one run",
+            "bits_per_element": peer.bits_per_element() if footprint is None else footprint["bits_per_element"],
+            "threads": threads,
+            **({} if footprint is None else {"kv_bytes": footprint}),
+            "peak_rss_bytes": None, "peak_rss_note": NOT_APPLICABLE["peak_rss"]}
+    return out

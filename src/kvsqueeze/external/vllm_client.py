@@ -135,21 +135,42 @@ def info() -> dict[str, Any]:
     return run_task({"task": "info"}, threads=1)
 
 
+def _limits(logprob_rows: list[list[int]], prompt_sets: list[list[list[int]]], decode_tokens: int) -> dict[str, int]:
+    """Engine sizes that fit both kinds of work: every prompt (plus its decode tokens) in one sequence, a whole
+    prompt (or a whole speed batch) in one scheduler step."""
+    widths = [len(r) + 8 for r in logprob_rows] + [len(r) + decode_tokens + 8 for rows in prompt_sets for r in rows]
+    batch_tokens = [len(rows) * max(len(r) for r in rows) for rows in prompt_sets]
+    return {"max_model_len": max(widths), "max_num_batched_tokens": max([*widths, *batch_tokens, 2048]),
+            "max_num_seqs": max([len(logprob_rows), *map(len, prompt_sets)])}
+
+
 def prompt_nll(model_dir: str | Path, kv_cache_dtype: str, rows: list[list[int]], threads: int = 1,
                dtype: str = "bfloat16") -> dict[str, Any]:
     """Negative log-likelihood of every token after the first of each row (token ids), through vLLM's
     ``prompt_logprobs``: every token's K/V is written to vLLM's cache and read back from it."""
-    width = max(len(r) for r in rows)
     return run_task({"task": "logprobs", "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype,
-                     "dtype": dtype, "prompts": rows, "max_model_len": width + 8,
-                     "max_num_batched_tokens": max(width + 8, 2048), "max_num_seqs": len(rows)}, threads=threads)
+                     "dtype": dtype, "prompts": rows, **_limits(rows, [], 0)}, threads=threads)
 
 
-def speed(model_dir: str | Path, kv_cache_dtype: str, rows: list[list[int]], decode_tokens: int,
+def check_kv_cache_dtypes(kv_cache_dtypes: list[str]) -> None:
+    """A one-line :class:`VllmError` unless vLLM on this machine runs every one of ``kv_cache_dtypes`` (no model is
+    loaded: what vLLM checks before starting an engine, e.g. that fp8 on a CPU needs AVX-512 or AMX)."""
+    run_task({"task": "check", "kv_cache_dtypes": list(kv_cache_dtypes)}, threads=1)
+
+
+def speed(model_dir: str | Path, kv_cache_dtype: str, prompt_sets: list[list[list[int]]], decode_tokens: int,
           threads: int = 1, dtype: str = "bfloat16") -> dict[str, Any]:
-    """Prefill seconds of ``rows`` (one batch) and decode milliseconds per step of ``decode_tokens`` more."""
-    width = max(len(r) for r in rows)
+    """For each set of prompts (token ids; one batch each), prefill seconds and decode milliseconds per step of
+    ``decode_tokens`` more, on one engine: ``{"runs": [...], "vllm_version": ...}``."""
     return run_task({"task": "speed", "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
-                     "prompts": rows, "decode_tokens": decode_tokens, "max_model_len": width + decode_tokens + 8,
-                     "max_num_batched_tokens": max(len(rows) * width, 2048), "max_num_seqs": len(rows)},
-                    threads=threads)
+                     "prompt_sets": prompt_sets, "decode_tokens": decode_tokens,
+                     **_limits([], prompt_sets, decode_tokens)}, threads=threads)
+
+
+def measure(model_dir: str | Path, kv_cache_dtype: str, rows: list[list[int]], prompt_sets: list[list[list[int]]],
+            decode_tokens: int, threads: int = 1, dtype: str = "bfloat16") -> dict[str, Any]:
+    """:func:`prompt_nll` of ``rows`` and :func:`speed` of ``prompt_sets`` on one engine (for ``kvsqueeze
+    bench``: vLLM takes seconds to start)."""
+    return run_task({"task": "measure", "model": str(model_dir), "kv_cache_dtype": kv_cache_dtype, "dtype": dtype,
+                     "prompts": rows, "prompt_sets": prompt_sets, "decode_tokens": decode_tokens,
+                     **_limits(rows, prompt_sets, decode_tokens)}, threads=threads)

@@ -5,19 +5,26 @@ standard library before vLLM): ``kvsqueeze.external.vllm_client`` runs it by pat
 REQUEST.json RESULT.json``.  The request names one task on one engine:
 
 * ``info``: vLLM's version and the KV cache dtypes it accepts (no model is loaded);
+* ``check``: whether vLLM and its attention backend on this machine run each of ``kv_cache_dtypes`` (no model is
+  loaded: the checks :func:`_engine` makes before starting one);
 * ``logprobs``: every prompt token's log-probability (``prompt_logprobs``) for prompts given as token ids;
-* ``speed``: prefill seconds and decode milliseconds per token of random prompts given as token ids.
+* ``speed``: prefill seconds and decode milliseconds per token of random prompts given as token ids, for each of
+  ``prompt_sets`` (one batch each, e.g. one per context length) on one engine;
+* ``measure``: ``logprobs`` and ``speed`` on one engine (vLLM takes seconds to start).
 
 The result is ``{"ok": true, ...}`` or ``{"ok": false, "error": "<one line>"}``; vLLM's own log goes to stderr.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
 import time
 import typing
+
+_REQUEST_IDS = itertools.count()
 
 
 def _accepted_kv_dtypes() -> list[str]:
@@ -49,13 +56,17 @@ def _check_cpu_backend(kv_cache_dtype: str) -> None:
         raise ValueError(f"vLLM cannot run kv_cache_dtype {kv_cache_dtype!r} on this CPU: {exc}") from None
 
 
+def _check_kv_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in _accepted_kv_dtypes():
+        raise ValueError(f"vLLM does not accept kv_cache_dtype {kv_cache_dtype!r}; allowed: "
+                         f"{', '.join(_accepted_kv_dtypes())}")
+    _check_cpu_backend(kv_cache_dtype)
+
+
 def _engine(req: dict):
     from vllm import LLM
 
-    if req["kv_cache_dtype"] not in _accepted_kv_dtypes():
-        raise ValueError(f"vLLM does not accept kv_cache_dtype {req['kv_cache_dtype']!r}; allowed: "
-                         f"{', '.join(_accepted_kv_dtypes())}")
-    _check_cpu_backend(req["kv_cache_dtype"])
+    _check_kv_dtype(req["kv_cache_dtype"])
 
     kwargs = {"model": req["model"], "tokenizer": req["model"], "dtype": req.get("dtype", "bfloat16"),
               "kv_cache_dtype": req["kv_cache_dtype"], "max_model_len": int(req["max_model_len"]),
@@ -70,42 +81,78 @@ def _prompts(rows: list[list[int]]) -> list[dict]:
     return [{"prompt_token_ids": [int(t) for t in row]} for row in rows]
 
 
-def task_logprobs(req: dict) -> dict:
+def _logprobs(llm, rows: list[list[int]]) -> dict:
     from vllm import SamplingParams
 
-    llm = _engine(req)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     start = time.perf_counter()
-    outs = llm.generate(_prompts(req["prompts"]), params, use_tqdm=False)
+    outs = llm.generate(_prompts(rows), params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    rows = []
-    for row, out in zip(req["prompts"], outs):
+    nll = []
+    for row, out in zip(rows, outs):
         lps = out.prompt_logprobs
         # position j holds the log-probability of token j given tokens < j (None at position 0)
-        rows.append([-float(lps[j][int(row[j])].logprob) for j in range(1, len(row))])
-    return {"nll": rows, "seconds": seconds}
+        nll.append([-float(lps[j][int(row[j])].logprob) for j in range(1, len(row))])
+    return {"nll": nll, "seconds": seconds}
+
+
+def _timed_generate(llm, rows: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """Greedy ``max_tokens`` for every row, as one batch, stepping vLLM's engine: (seconds from submission until
+    every row has its first token, seconds from then until the last token)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    for row in rows:
+        engine.add_request(f"kvsqueeze-speed-{next(_REQUEST_IDS)}", {"prompt_token_ids": [int(t) for t in row]},
+                           params)
+    produced: dict[str, int] = {}
+    first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        last = time.perf_counter()
+        if first is None and len(produced) == len(rows) and min(produced.values()) >= 1:
+            first = last
+    if first is None or min(produced.values()) != max_tokens:
+        raise RuntimeError(f"vLLM produced {sorted(produced.values())} tokens per row, not {max_tokens}")
+    return first - start, last - first
+
+
+def _speed(llm, prompt_sets: list[list[list[int]]], decode: int) -> dict:
+    """Per set: prefill = time to the first token of every row; decode ms/token = time from there to the last
+    token over the ``decode`` steps in between (vLLM's time per output token), one run on one engine."""
+    _timed_generate(llm, [row[:8] for row in prompt_sets[0]], 2)  # warm-up
+    runs = []
+    for rows in prompt_sets:
+        prefill, decoding = _timed_generate(llm, rows, decode + 1)
+        runs.append({"prefill_s": prefill, "decode_s": decoding, "decode_ms_per_token": 1000 * decoding / decode})
+    return {"runs": runs}
+
+
+def task_check(req: dict) -> dict:
+    for kv_cache_dtype in req["kv_cache_dtypes"]:
+        _check_kv_dtype(kv_cache_dtype)
+    return {}
+
+
+def task_logprobs(req: dict) -> dict:
+    return _logprobs(_engine(req), req["prompts"])
 
 
 def task_speed(req: dict) -> dict:
-    from vllm import SamplingParams
+    return _speed(_engine(req), req["prompt_sets"], int(req["decode_tokens"]))
 
+
+def task_measure(req: dict) -> dict:
+    """``logprobs`` of ``prompts`` and ``speed`` of ``prompt_sets`` on one engine (it starts once)."""
     llm = _engine(req)
-    prompts = _prompts(req["prompts"])
-    decode = int(req["decode_tokens"])
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    many = SamplingParams(max_tokens=decode + 1, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate(_prompts([p["prompt_token_ids"][:8] for p in prompts]), one, use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    llm.generate(prompts, one, use_tqdm=False)
-    prefill = time.perf_counter() - t
-    t = time.perf_counter()
-    llm.generate(prompts, many, use_tqdm=False)
-    total = time.perf_counter() - t
-    return {"prefill_s": prefill, "generate_s": total,
-            "decode_ms_per_token": 1000 * max(total - prefill, 0.0) / decode}
+    nll = _logprobs(llm, req["prompts"]) if req["prompts"] else {}  # no prompts: no corpus, speed only
+    return {**nll, **_speed(llm, req["prompt_sets"], int(req["decode_tokens"]))}
 
 
-TASKS = {"logprobs": task_logprobs, "speed": task_speed}
+TASKS = {"check": task_check, "logprobs": task_logprobs, "speed": task_speed, "measure": task_measure}
 
 
 def main(argv: list[str]) -> int:
