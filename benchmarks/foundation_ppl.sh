@@ -9,8 +9,9 @@ PREFIX=${2:-1792}
 OUT=${3:-bench/foundation_ppl}
 mkdir -p "$OUT"
 for kv in ${PRESETS:-full int4 kivi-4 kivi-2 hf-dynamic hf-quanto-int4 hf-quanto-int2}; do
+  # --prefill-chunk 0: the prefix in one exact pass, as the published figures were measured (the default chunks it)
   kvsqueeze ppl --kv "$kv" --protocol decode --context 2048 --chunks "$CHUNKS" --prefix "$PREFIX" \
-    --threads 2 --json "$OUT/$kv.json" | grep "^ppl " | sed "s/^/$kv: /"
+    --prefill-chunk "${PREFILL_CHUNK:-0}" --threads 2 --json "$OUT/$kv.json" | grep "^ppl " | sed "s/^/$kv: /"
 done
 python3 - "$OUT" <<'PY'
 import json, pathlib, sys

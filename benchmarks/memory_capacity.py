@@ -57,26 +57,6 @@ HEAD = ("| cache | batch x context | prefill chunk | cache MiB | peak RSS growth
         "prefill / full's (same chunking) |\n|---|---|---|---|---|---|---|---|")
 
 
-def plot(cap: dict, budget: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(cap)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    axes[0].barh(names, [cap[n]["max_tokens"] / 1000 for n in names], color="#4c72b0")
-    axes[0].set_xlabel(f"thousand tokens of one sequence in {budget}")
-    axes[1].barh(names, [cap[n]["max_batch"] for n in names], color="#55a868")
-    axes[1].set_xlabel(f"sequences of {next(iter(cap.values()))['batch_context']} tokens in {budget}")
-    for ax in axes:
-        ax.invert_yaxis()
-        ax.grid(axis="x", alpha=0.3)
-    fig.suptitle("Capacity of a memory budget (projected from measured peaks and exact cache bytes)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -141,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-        plot(cap, args.budget, out / "capacity.png")
+        from kvsqueeze.eval.report import plot_capacity
+
+        plot_capacity({"capacity": cap}, out / "capacity.png")
         print(f"wrote {out}/results.json and capacity.png", file=sys.stderr)
     return 0
 

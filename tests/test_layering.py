@@ -19,7 +19,7 @@ ROOT = Path(kvsqueeze.__file__).parent
 
 # part -> layer rank (the first dotted component under kvsqueeze; modules and sub-packages alike)
 RANKS = {
-    "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0,
+    "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0, "heap": 0,
     "external": 1,
     "spec": 1, "rope": 1, "corpus": 1, "models": 1, "transforms": 1,
     "layout": 1.5,  # reads a model's attention facts, RoPE tables included

@@ -34,12 +34,14 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
+from .heap import release_freed_memory
 from .kernels import reference
 from .layout import kv_layout
 from .resolve import resolve_cache_spec
 from .spec import CacheSpec
 
 ATTN_NAME = "kvsqueeze"
+TRIM_AFTER_TOKENS = 64  # steps with at least this many new tokens end by returning freed heap pages (kvsqueeze.heap)
 _TAG = "_kvsqueeze_layer"
 
 
@@ -124,6 +126,8 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
     layer.attended = True  # read by QuantizedCache.update of the next layer
     if getattr(layer, "end_of_step", None) is not None:
         layer.end_of_step()
+        if query.shape[2] >= TRIM_AFTER_TOKENS:  # a prompt chunk's activations are freed: hand their pages back
+            release_freed_memory()
     return out.transpose(1, 2).contiguous(), None
 
 

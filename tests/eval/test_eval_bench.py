@@ -12,7 +12,7 @@ from kvsqueeze.eval.report import pareto_front
 SIZES = ["--ppl-context", "64", "--ppl-chunks", "1", "--ppl-decode-tokens", "8", "--lengths", "260",
          "--depths", "0,1", "--speed-contexts", "32,64", "--decode-tokens", "2", "--no-progress"]
 FILES = {"report.md", "results.json", "ppl_vs_bits.png", "decode_vs_context.png", "memory_vs_context.png",
-         "retrieval.png"}
+         "capacity.png", "retrieval.png"}
 
 
 def test_bench_quick_writes_every_file(tiny_model_dir, tiny_corpus, tmp_path, capsys):
@@ -32,7 +32,14 @@ def test_bench_quick_writes_every_file(tiny_model_dir, tiny_corpus, tmp_path, ca
     for needle in ("Command: `kvsqueeze bench", "Machine:", "Threads: 2", "Date:", "ppl all-quantized",
                    "| `hf-quanto-int4` | peer |", "decode ms/token @64", "![ppl_vs_bits](ppl_vs_bits.png)"):
         assert needle in md
-    assert md.count("\n| `") == 2 * 4  # results table and retrieval table: one row per cache each
+    assert md.count("\n| `") == 3 * 4  # results, capacity and retrieval tables: one row per cache each
+    cap = r["capacity"]
+    assert set(cap) == set(caches.split(",")) and "## Capacity in 2 GiB" in md
+    # full precision has nothing fixed: the projection's bytes/token is what the speed run's real cache held
+    assert cap["full"]["bytes_per_token"] == r["speed"]["full"]["64"]["kv_bytes"]["bytes_per_token"]
+    assert cap["kivi-2"]["bytes_per_token"] < cap["full"]["bytes_per_token"] / 6
+    assert cap["kivi-2"]["max_batch"] > cap["full"]["max_batch"]
+    assert r["config"]["prefill_chunk"] == 512 and r["speed"]["full"]["64"]["prefill_chunk"] == 512
 
 
 def _offline(monkeypatch, tmp_path):

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--speed-contexts", type=_csv(int), default=None, help="two speed contexts, e.g. 1024,8192")
     size.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed per speed context")
     size.add_argument("--retrieval-format", default=None, choices=["plain", "chat"], help="passkey prompt format")
+    _options.add_prefill_chunk(p)
+    p.add_argument("--budget", default="2GiB", metavar="SIZE",
+                   help="memory budget of the capacity table: the longest context and the largest batch of 4096-token "
+                        "sequences each cache fits, projected from its measured peak and exact bytes (default 2GiB)")
     p.add_argument("--exact-decode", action="store_true",
                    help="measure the decode column of kvsqueeze presets by real token-by-token decoding (slow) "
                         "instead of the window protocol with the same prefix (equal, and one pass per chunk)")
@@ -48,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvsqueeze.eval.bench import make_plan, run_bench
+    from kvsqueeze.eval.capacity import parse_budget
     from kvsqueeze.eval.retrieval import parse_depths, parse_lengths
 
     plan = make_plan(
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         depths=parse_depths(args.depths) if args.depths else None,
         trials=args.trials, speed_contexts=args.speed_contexts, speed_decode_tokens=args.decode_tokens,
         retrieval_format=args.retrieval_format, exact_decode=args.exact_decode or None,
+        prefill_chunk=args.prefill_chunk, budget_bytes=parse_budget(args.budget),
     )
     folder = run_bench(args, plan, Path(args.out), progress=not args.no_progress)
     table = (folder / "report.md").read_text(encoding="utf-8").split("## Results", 1)[1].split("How to read", 1)[0]

@@ -19,7 +19,9 @@ from tqdm import tqdm
 from ..external.vllm_client import VllmError
 from ..layout import model_kv_layout
 from ..resolve import resolve_kv
+from ..spec import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
 from . import meta, report, vllm_peer
+from .capacity import DEFAULT_BUDGET
 from .peers import PEERS, Peer, describe
 from .retrieval import generated_haystack
 from .vllm_peer import is_vllm
@@ -47,6 +49,8 @@ class BenchPlan:
     speed_decode_tokens: int
     retrieval_format: str = "plain"
     exact_decode: bool = False  # decode column of kvsqueeze presets by real decoding instead of the window
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per forward pass (decode column, retrieval, speed)
+    budget_bytes: int = DEFAULT_BUDGET  # the memory budget of the capacity figures
     skipped: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -218,14 +222,15 @@ def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> d
             out["window"][name] = run_ppl(model, chunks, name, "window", 0, bar, footprints)
             out["all-quantized"][name] = run_ppl(model, chunks, name, "all-quantized", 0, bar, footprints)
             if plan.exact_decode:
-                out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar)
+                out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar,
+                                              prefill_chunk=plan.prefill_chunk)
             else:
-                r = run_ppl(model, chunks, name, "window", prefix, bar, footprints)
+                r = run_ppl(model, chunks, name, "window", prefix, bar, footprints, plan.prefill_chunk)
                 r["emulated_by"] = f"window protocol with prefix {prefix} (equal to decode through the real cache)"
                 out["decode"][name] = r
         for name in peers:
             bar.set_postfix_str(name)
-            out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar)
+            out["decode"][name] = run_ppl(model, chunks, name, "decode", prefix, bar, prefill_chunk=plan.prefill_chunk)
     return out
 
 
@@ -239,7 +244,7 @@ def run_retrieval_stage(model: Any, tokenizer: Any, plan: BenchPlan, progress: b
         for name in caches:
             bar.set_postfix_str(name)
             out[name] = run_retrieval(model, tokenizer, name, plan.lengths, plan.depths, plan.trials,
-                                      plan.retrieval_format, progress=bar)
+                                      plan.retrieval_format, progress=bar, prefill_chunk=plan.prefill_chunk)
     return out
 
 
@@ -254,10 +259,28 @@ def run_speed_stage(model: Any, plan: BenchPlan, progress: bool) -> dict[str, di
             out[name] = {}
             # untimed warm-up of this cache kind: the first call pays one-off costs (loading the C++ kernel,
             # the allocator growing to prefill sizes) that would otherwise land on whichever cache runs first
-            measure_speed(model, name, min(256, min(plan.speed_contexts)), 2)
+            measure_speed(model, name, min(256, min(plan.speed_contexts)), 2, prefill_chunk=plan.prefill_chunk)
             for ctx in sorted(plan.speed_contexts):
-                out[name][str(ctx)] = measure_speed(model, name, ctx, plan.speed_decode_tokens)
+                out[name][str(ctx)] = measure_speed(model, name, ctx, plan.speed_decode_tokens,
+                                                    prefill_chunk=plan.prefill_chunk)
                 bar.update(1)
+    return out
+
+
+def run_capacity_stage(model: Any, plan: BenchPlan, speed: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Capacity in the budget per in-process cache: its exact bytes (two random fills) and the peak beyond them
+    in its longest speed run (:mod:`kvsqueeze.eval.capacity`)."""
+    from . import capacity as cap
+
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    out = {}
+    for name, runs in speed.items():
+        longest = runs[str(max(plan.speed_contexts))]
+        if longest.get("peak_rss_delta_bytes") is None:
+            continue
+        out[name] = cap.capacity(cap.cache_cost(model, name), cap.transient_per_sequence(longest),
+                                 plan.budget_bytes, limit)
+        out[name]["transient_measured_at"] = longest["context"]
     return out
 
 
@@ -317,6 +340,8 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
     for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
                     ("speed context", max(plan.speed_contexts))):
         meta.check_context(model, n, what)
+    check_prefill_chunk(plan.prefill_chunk, getattr(model.config.get_text_config(decoder=True),
+                                                    "max_position_embeddings", None))
     print(f"kvsqueeze bench{' --quick' if plan.quick else ''}: {len(plan.caches)} caches "
           f"({', '.join(plan.caches)}), {threads} threads")
     for note in plan.skipped:
@@ -341,6 +366,7 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
         results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
     results["retrieval"] = run_retrieval_stage(model, tokenizer, plan, progress)
     results["speed"] = run_speed_stage(model, plan, progress)
+    results["capacity"] = run_capacity_stage(model, plan, results["speed"])
     failed = run_vllm_stage(model, chunks, plan, progress, args.model, threads, results)
     results["not_measured"] = not_measured(plan, failed)
     plan.skipped += [f"{name}: {reason}" for name, reason in failed.items()]

@@ -29,6 +29,7 @@ from .peers import footprint, make_cache
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 BATCH_CONTEXT = 4096  # the context of the "largest batch" figure
+DEFAULT_BUDGET = 2 * 2**30  # bytes: the budget of the capacity figures unless --budget says otherwise
 
 
 def parse_budget(text: str) -> int:

@@ -135,7 +135,7 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     out += ["", "## Results", ""]
     head = ["cache", "kind", "bits/element (quantized part)", "KV bytes/token",
             *[label for _, label in PPL_COLUMNS[:2]], f"ppl decode (last {cfg['ppl_decode_tokens']})", "retrieval", f"prefill s @{hi}",
-            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"peak RSS MiB @{hi}"]
+            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"peak RSS growth MiB @{hi} (of it KV)"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for c in results["caches"]:
@@ -144,9 +144,11 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         row = [f"`{name}`", c["kind"], _fmt_bits(b), "n/a" if b is None else f"{b['bytes_per_token']:.0f}",
                *[ppl_cell(results, p, name) for p, _ in PPL_COLUMNS], retrieval_cell(results, name),
                _speed(results, name, hi, "prefill_s", digits=2), _speed(results, name, lo, "decode_ms_per_token"),
-               _speed(results, name, hi, "decode_ms_per_token"), _speed(results, name, hi, "peak_rss_bytes", MiB, 0)]
+               _speed(results, name, hi, "decode_ms_per_token"), _growth_cell(results, name, hi)]
         out.append("| " + " | ".join(row) + " |")
     out += ["", *_notes(results), ""]
+    if results.get("capacity"):
+        out += _capacity_table(results)
     if results.get("retrieval"):
         out += _retrieval_table(results)
     if plots:
@@ -211,9 +213,64 @@ def _notes(results: dict[str, Any]) -> list[str]:
                      "exact match of the first number.")
     notes.append(f"- speed: random-token prompts of {' and '.join(map(str, ctxs))} tokens, then "
                  f"{cfg['speed_decode_tokens']} greedy decode steps (model forward + cache, median per step); "
-                 "peak RSS is the process's resident memory high-water mark during that measurement (freed "
-                 "memory is handed back to the OS first), model weights included.")
+                 f"prompts prefilled {cfg.get('prefill_chunk') or 'in one pass'}"
+                 f"{' tokens per forward pass' if cfg.get('prefill_chunk') else ''}; peak RSS growth is the rise of "
+                 "the process's resident memory high-water mark during that measurement (reset first, freed memory "
+                 "handed back to the OS first), beside the cache's own bytes at its end.")
     return notes
+
+
+def _growth_cell(results: dict[str, Any], name: str, ctx: int) -> str:
+    r = results.get("speed", {}).get(name, {}).get(str(ctx))
+    if not r or r.get("peak_rss_delta_bytes") is None:
+        return _speed(results, name, ctx, "peak_rss_delta_bytes", MiB, 0)
+    return f"{r['peak_rss_delta_bytes'] / MiB:.0f} ({r['kv_bytes']['total'] / MiB:.1f})"
+
+
+def _capacity_table(results: dict[str, Any]) -> list[str]:
+    cap = results["capacity"]
+    first = next(iter(cap.values()))
+    budget = first["budget_bytes"] / 2**30
+    base = cap.get("full") or cap.get("hf-dynamic")
+    out = [f"## Capacity in {budget:g} GiB", "",
+           f"| cache | KV bytes/token | fixed MiB | transient MiB/sequence | longest context (tokens) | x "
+           f"{'full' if 'full' in cap else 'hf-dynamic'} | sequences of {first['batch_context']} tokens | x |",
+           "|---|---|---|---|---|---|---|---|"]
+    for name, c in cap.items():
+        xt = f"{c['max_tokens'] / base['max_tokens']:.1f}" if base and base["max_tokens"] else "-"
+        xb = f"{c['max_batch'] / base['max_batch']:.1f}" if base and base["max_batch"] else "-"
+        longest = f"{c['max_tokens']}" + (f" (model: {c['max_context']})" if c["limited_by_model_positions"] else "")
+        out.append(f"| `{name}` | {c['bytes_per_token']:.0f} | {c['fixed_bytes'] / MiB:.1f} | "
+                   f"{c['transient_bytes_per_sequence'] / MiB:.1f} | {longest} | {xt} | {c['max_batch']} | {xb} |")
+    out += ["", f"Projected, not run: a sequence of n tokens costs transient + fixed + n x bytes/token; the cache's "
+                f"bytes come from exact fills of a real cache at two lengths, the transient (the peak beyond the "
+                f"cache, per sequence) from the {first['transient_measured_at']}-token speed run; the longest "
+                f"context is what the budget holds for one sequence, the model's position limit in parentheses "
+                f"(kvsqueeze.eval.capacity; benchmarks/memory_capacity.py checks a projection against a measured "
+                f"peak).", ""]
+    return out
+
+
+def plot_capacity(results: dict[str, Any], path: Path) -> Path | None:
+    cap = results.get("capacity")
+    if not cap:
+        return None
+    plt = _plt()
+    names = list(cap)
+    first = cap[names[0]]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.35 * len(names) + 1.6))
+    axes[0].barh(names, [cap[n]["max_tokens"] / 1000 for n in names], color="#4c72b0")
+    axes[0].set_xlabel(f"thousand tokens of one sequence in {first['budget_bytes'] / 2**30:g} GiB")
+    axes[1].barh(names, [cap[n]["max_batch"] for n in names], color="#55a868")
+    axes[1].set_xlabel(f"sequences of {first['batch_context']} tokens")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("Capacity of the memory budget (projected from measured peaks and exact cache bytes)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _vllm_note(results: dict[str, Any], caches: list[dict[str, Any]]) -> str:
@@ -399,5 +456,6 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[str]:
     made = [plot_ppl_vs_bits(results, folder / "ppl_vs_bits.png"),
             plot_decode_vs_context(results, folder / "decode_vs_context.png"),
             plot_memory_vs_context(results, folder / "memory_vs_context.png"),
+            plot_capacity(results, folder / "capacity.png"),
             plot_retrieval(results.get("retrieval", {}), folder / "retrieval.png")]
     return [str(p) for p in made if p is not None]

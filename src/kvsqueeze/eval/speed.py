@@ -9,8 +9,6 @@ rather than the process's lifetime maximum.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
 import statistics
 import threading
 import time
@@ -21,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from ..heap import release_freed_memory
 from ..spec import DEFAULT_PREFILL_CHUNK
 
 _STATUS = Path("/proc/self/status")
@@ -39,7 +38,7 @@ class PeakRSS:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> PeakRSS:
-        _release_free_memory()
+        release_freed_memory(collect=True)  # earlier measurements' freed memory must not hide this peak
         proc = psutil.Process()
         self.start = proc.memory_info().rss
         try:
@@ -63,14 +62,6 @@ class PeakRSS:
             self.peak = max(self.peak, psutil.Process().memory_info().rss)
         else:
             self.peak = _vm_hwm()
-
-
-def _release_free_memory() -> None:
-    """Hand memory freed by earlier measurements back to the OS, so it cannot hide this measurement's peak
-    (glibc keeps freed heap pages mapped; other platforms: garbage collection only)."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _vm_hwm() -> int:
