@@ -259,9 +259,11 @@ def _fp8(fmt: str, name: str) -> CacheSpec:
     return CacheSpec(key=q, value=q, window=0, name=name)
 
 
-def _rot(key_bits: float, value_bits: float, name: str, window: int = 128, sinks: int = 4) -> CacheSpec:
-    return CacheSpec(key=QuantSpec(fmt="rot", bits=key_bits), value=QuantSpec(fmt="rot", bits=value_bits),
-                     window=window, sinks=sinks, name=name)
+def _rot(key_bits: float, value_bits: float, name: str, window: int = 128, sinks: int = 4,
+         key_group: int = 128) -> CacheSpec:
+    """Rotated codebook keys centred over ``key_group``-token groups, plain rotated values."""
+    return CacheSpec(key=QuantSpec(fmt="rot", bits=key_bits, axis="channel", group=key_group),
+                     value=QuantSpec(fmt="rot", bits=value_bits), window=window, sinks=sinks, name=name)
 
 
 PRESETS: dict[str, CacheSpec] = {
@@ -279,9 +281,10 @@ PRESETS: dict[str, CacheSpec] = {
     "kivi-3-sink4": _kivi(3, sinks=4, name="kivi-3-sink4"),
     "kivi-2-sink4": _kivi(2, sinks=4, name="kivi-2-sink4"),
     # rotated codebooks (docs/rotated.md): keys take more of the budget (their errors cost more attention
-    # quality); with one fp16 norm per 64 channels (+0.25): K 3.25 / V 2.75 = 3.0 and K 4.25 / V 2.75 = 3.5 bits
-    "rot-3": _rot(3, 2.5, "rot-3"),
-    "rot-3.5": _rot(4, 2.5, "rot-3.5"),
+    # quality) and are centred by a per-channel mean per 128 tokens; one fp16 scale per 64 channels (+0.25), one
+    # fp16 mean per 128 tokens (+0.125): K 2.875 + 0.375 / V 2.5 + 0.25 = 3.0 bits, K 3.875 + 0.375 / V 2.75 = 3.5
+    "rot-3": _rot(2.875, 2.5, "rot-3"),
+    "rot-3.5": _rot(3.875, 2.5, "rot-3.5"),
 }
 
 # one side: integer "<bits><t|c>[group]" or rotated codebook "<bits>r" / "<bits>rq" (bits may be fractional),
