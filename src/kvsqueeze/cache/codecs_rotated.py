@@ -49,7 +49,8 @@ from .codecs import Codec, PartLayout
 
 
 class RotatedCodec(Codec):
-    """Norm + rotated Lloyd-Max codes per token and head (optionally a residual sign sketch)."""
+    """Scale + rotated Lloyd-Max codes per token and head (centred: minus a per-group channel mean; optionally
+    a residual sign sketch)."""
 
     def __init__(self, spec: QuantSpec, head_dim: int):
         self.spec, self.fmt = spec, storage_format(spec, head_dim, torch.float32)
