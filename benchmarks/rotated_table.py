@@ -27,13 +27,14 @@ ROWS: list[tuple[str, str, str]] = [
     ("full precision", "fp32", "full"),
     ("KIVI (K per-channel g32, V per-token g32, fp16)", "2-bit", "kivi-2-sink4"),
     ("KIVI (K per-channel g32, V per-token g32, fp16)", "3-bit", "kivi-3-sink4"),
-    ("rotated codebook, norm fp16", "rot-3 = K3 / V2.5", "rot-3"),
-    ("rotated codebook, norm fp16", "K2.75 / V2.75", "k2.75r-v2.75r-w128-s4"),
-    ("rotated codebook, norm fp16", "rot-3.5 = K4 / V2.5", "rot-3.5"),
-    ("rotated codebook, norm fp16", "K3.25 / V3.25", "k3.25r-v3.25r-w128-s4"),
+    ("rotated codebook, keys centred (mean per 128 tokens), LS scales", "rot-3 = K2.875c128 / V2.5", "rot-3"),
+    ("rotated codebook, keys centred (mean per 128 tokens), LS scales", "rot-3.5 = K3.875c128 / V2.5", "rot-3.5"),
+    ("rotated codebook, both sides centred, LS scales", "K2.875c128 / V2.375c128", "k2.875rc128-v2.375rc128-w128-s4"),
+    ("rotated codebook, not centred, LS scales", "K3 / V2.5", "k3r-v2.5r-w128-s4"),
+    ("rotated codebook, not centred, LS scales", "K4 / V2.5", "k4r-v2.5r-w128-s4"),
     ("rotated + 1-bit residual sign sketch on keys", "K2.75+sketch / V2.5", "k2.75rq-v2.5r-w128-s4"),
 ]
-DEFAULT = ("full", "rot-3", "k2.75r-v2.75r-w128-s4", "rot-3.5", "k2.75rq-v2.5r-w128-s4")
+DEFAULT = ("full", "kivi-2-sink4", "kivi-3-sink4", "rot-3", "rot-3.5")
 
 
 def main() -> int:
@@ -42,8 +43,8 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--rows", default="default",
-                   help="'default' (full and the rotated rows), 'all' (adds KIVI at equal bits), or comma-separated "
-                        "kv names of ROWS (full is always run first)")
+                   help="'default' (full, KIVI at equal bits, the two presets), 'all' (adds the ablations), or "
+                        "comma-separated kv names of ROWS (full is always run first)")
     p.add_argument("--no-full", action="store_true", help="skip the full-precision row (its ppl is then not "
                    "measured and the 'vs full' column is left empty)")
     p.add_argument("--protocols", default="window,all-quantized")

@@ -41,7 +41,9 @@ class QuantSpec:
     "rot" / "rot-qjl": a fixed random rotation, one Lloyd-Max codebook per coordinate and the vector's L2 norm
                   (in ``param_dtype``) per token and head (docs/rotated.md); ``bits`` in [1, 4], fractional ones
                   (2.75, 3.25, ...) mixing two widths across rotated coordinates; "rot-qjl" adds a 1-bit sign
-                  sketch of the residual and its norm.  Per token only (axis "token", no group).
+                  sketch of the residual and its norm.  Per token (axis "token", no group), or for "rot" centred:
+                  axis "channel", group G - the per-channel mean of each G-token group (rotated space, in
+                  ``param_dtype``) is subtracted before coding and stored once per group.
     extras:       calibrated tensors of one layer (channel permutation, per-group clip ratios, pre-RoPE
                   per-channel parameters...), set by :mod:`kvsqueeze.calibrate` artifacts; ``None`` for every
                   preset.  "ternary" (the 1.5-bit format of docs/calibrated.md) is per-token only.
@@ -63,9 +65,12 @@ class QuantSpec:
         if self.fmt in ROT_FORMATS:
             if isinstance(self.bits, bool) or not isinstance(self.bits, int | float) or not 1 <= self.bits <= 4:
                 raise ValueError(f"{self.fmt} bits must be a number in [1, 4] (e.g. 3 or 2.75), got {self.bits!r}")
-            if self.axis != "token" or self.group is not None:
-                raise ValueError(f"the {self.fmt} format is per token over the whole head: use axis='token', "
-                                 "group=None")
+            centred = self.fmt == "rot" and self.axis == "channel" and isinstance(self.group, int) \
+                and not isinstance(self.group, bool) and self.group >= 1
+            if (self.axis, self.group) != ("token", None) and not centred:
+                raise ValueError(f"the {self.fmt} format is per token over the whole head (axis='token', "
+                                 "group=None); 'rot' may also be centred by per-channel means over token groups "
+                                 "(axis='channel', group=G >= 1)")
         if self.fmt == "int" and self.bits not in INT_BITS:
             raise ValueError(f"unsupported bits {self.bits!r}; allowed: {', '.join(map(str, INT_BITS))}")
         if self.axis not in AXES:
@@ -90,7 +95,7 @@ class QuantSpec:
     @property
     def token_group(self) -> int:
         """How many tokens must be present before they can be quantized together (1 for per-token layouts)."""
-        return self.group if (self.fmt == "int" and self.axis == "channel") else 1
+        return self.group if (self.fmt in ("int",) + ROT_FORMATS and self.axis == "channel") else 1
 
     def channel_group(self, head_dim: int) -> int:
         """Channels sharing one scale (per-token layout), checked against head_dim."""
@@ -122,7 +127,8 @@ class QuantSpec:
         if self.fmt == "none":
             return "fp"
         if self.fmt in ROT_FORMATS:
-            return f"{self.fmt}{self.bits:g}/{self.param_dtype}"
+            centre = f"/mean{self.group}" if self.axis == "channel" else ""
+            return f"{self.fmt}{self.bits:g}{centre}/{self.param_dtype}"
         if self.fmt == "ternary":
             g = "all" if self.group is None else str(self.group)
             clip = "" if self.clip == 1.0 else f"c{self.clip:g}"
@@ -268,9 +274,11 @@ def _fp8(fmt: str, name: str) -> CacheSpec:
     return CacheSpec(key=q, value=q, window=0, name=name)
 
 
-def _rot(key_bits: float, value_bits: float, name: str, window: int = 128, sinks: int = 4) -> CacheSpec:
-    return CacheSpec(key=QuantSpec(fmt="rot", bits=key_bits), value=QuantSpec(fmt="rot", bits=value_bits),
-                     window=window, sinks=sinks, name=name)
+def _rot(key_bits: float, value_bits: float, name: str, window: int = 128, sinks: int = 4,
+         key_group: int = 128) -> CacheSpec:
+    """Rotated codebook keys centred over ``key_group``-token groups, plain rotated values."""
+    return CacheSpec(key=QuantSpec(fmt="rot", bits=key_bits, axis="channel", group=key_group),
+                     value=QuantSpec(fmt="rot", bits=value_bits), window=window, sinks=sinks, name=name)
 
 
 PRESETS: dict[str, CacheSpec] = {
@@ -288,13 +296,16 @@ PRESETS: dict[str, CacheSpec] = {
     "kivi-3-sink4": _kivi(3, sinks=4, name="kivi-3-sink4"),
     "kivi-2-sink4": _kivi(2, sinks=4, name="kivi-2-sink4"),
     # rotated codebooks (docs/rotated.md): keys take more of the budget (their errors cost more attention
-    # quality); with one fp16 norm per 64 channels (+0.25): K 3.25 / V 2.75 = 3.0 and K 4.25 / V 2.75 = 3.5 bits
-    "rot-3": _rot(3, 2.5, "rot-3"),
-    "rot-3.5": _rot(4, 2.5, "rot-3.5"),
+    # quality) and are centred by a per-channel mean per 128 tokens; one fp16 scale per 64 channels (+0.25), one
+    # fp16 mean per 128 tokens (+0.125): K 2.875 + 0.375 / V 2.5 + 0.25 = 3.0 bits, K 3.875 + 0.375 / V 2.75 = 3.5
+    "rot-3": _rot(2.875, 2.5, "rot-3"),
+    "rot-3.5": _rot(3.875, 2.5, "rot-3.5"),
 }
 
-# one side: integer "<bits><t|c>[group]" or rotated codebook "<bits>r" / "<bits>rq" (bits may be fractional)
-_SIDE = r"(?:(?P<{p}b>\d)(?P<{p}ax>[tc])(?P<{p}g>\d+)?|(?P<{p}rb>\d(?:\.\d+)?)(?P<{p}rot>rq?))"
+# one side: integer "<bits><t|c>[group]" or rotated codebook "<bits>r" / "<bits>rq" (bits may be fractional),
+# "<bits>rc<G>" centred by per-channel means of G-token groups
+_SIDE = (r"(?:(?P<{p}b>\d)(?P<{p}ax>[tc])(?P<{p}g>\d+)?"
+         r"|(?P<{p}rb>\d(?:\.\d+)?)(?P<{p}rot>rq|r)(?:c(?P<{p}rg>\d+))?)")
 _SPEC_RE = re.compile("^k" + _SIDE.format(p="k") + "-v" + _SIDE.format(p="v")
                       + r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?$")
 
@@ -305,7 +316,8 @@ def preset(name: str | CacheSpec | dict) -> CacheSpec:
     Spec strings describe anything not in the table: ``k2c32-v2t32-w128-s4`` means 2-bit keys per channel over
     32-token groups, 2-bit values per token in 32-channel groups, a 128-token window and 4 sinks.  A side may
     also be a rotated codebook format: ``k3r-v2.5r-w128-s4`` (3-bit rotated keys, 2.5-bit rotated values), ``rq``
-    for ``rot-qjl`` (``k2rq-...``).  A JSON object
+    for ``rot-qjl`` (``k2rq-...``), ``rc<G>`` for rotated codes centred by the per-channel means of G-token groups
+    (``k2.875rc128-...``).  A JSON object
     (string starting with ``{``) is read with :meth:`CacheSpec.from_dict`.
     """
     if isinstance(name, CacheSpec):
@@ -323,7 +335,9 @@ def preset(name: str | CacheSpec | dict) -> CacheSpec:
         def side(p: str) -> QuantSpec:
             if m[p + "rot"]:
                 b = float(m[p + "rb"])
-                return QuantSpec(fmt="rot-qjl" if m[p + "rot"] == "rq" else "rot", bits=int(b) if b == int(b) else b)
+                centre = {"axis": "channel", "group": int(m[p + "rg"])} if m[p + "rg"] else {}
+                return QuantSpec(fmt="rot-qjl" if m[p + "rot"] == "rq" else "rot", bits=int(b) if b == int(b) else b,
+                                 **centre)
             return QuantSpec(fmt="int", bits=int(m[p + "b"]), axis="channel" if m[p + "ax"] == "c" else "token",
                              group=int(m[p + "g"]) if m[p + "g"] else None)
 

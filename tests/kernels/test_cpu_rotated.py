@@ -18,6 +18,9 @@ SPECS = [
     "k1r-v1.5r",  # 1-bit and 1/2-bit runs, no window, no sinks
     "k3.25r-v2c32-w32",  # rotated keys beside per-channel integer values (and the reverse below)
     "k2c32-v3.5r-w32-s1",
+    "k2.875rc128-v2.5r-w128-s4",  # centred keys (a mean per channel per 128 tokens), plain values
+    "k3rc32-v2.375rc32-w64-s3",  # both sides centred over 32-token groups
+    "k2.5rc16-v2c16-w32",  # centred rotated keys beside per-channel integer values of the same group
 ]
 
 
@@ -37,9 +40,18 @@ def test_block_and_window_boundaries(stored):
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 128])
-def test_head_dims(head_dim):
-    layer = filled_layer("k2.5r-v3r-w32-s2", batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
+@pytest.mark.parametrize("spec", ["k2.5r-v3r-w32-s2", "k2.5rc32-v3rc32-w32-s2"])
+def test_head_dims(head_dim, spec):
+    layer = filled_layer(spec, batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
     assert_matches_reference(cpu.attend, layer, 2, 1)
+
+
+@pytest.mark.parametrize("stored", [3, 131, 260, 700])
+def test_centred_group_boundaries(stored):
+    """Centred layouts: blocks of two 128-token groups, tiles crossing a group's end, partly filled blocks."""
+    layer = filled_layer("k2.875rc128-v2.375rc128-w128-s4", batch=1, kv_heads=1, stored=stored, new=1,
+                         steps=min(stored, 3))
+    assert_matches_reference(cpu.attend, layer, 4, 1)
 
 
 def test_scores_come_from_the_codes():
@@ -61,7 +73,7 @@ def test_sign_sketch_uses_the_reference():
     assert torch.equal(cpu.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
 
 
-@pytest.mark.parametrize("spec", ["rot-3", "k2.5r-v4r-w32-s4"])
+@pytest.mark.parametrize("spec", ["rot-3", "k2.5r-v4r-w32-s4", "k3rc32-v2.5rc32-w32-s4"])
 def test_greedy_generation_matches_reference_tiny_llama(tiny_llama, spec):
     from kvsqueeze.adapter import QuantizedCache
 

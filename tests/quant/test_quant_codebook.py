@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvsqueeze.quant.codebook import (
+    codebook_values,
     lloyd_max,
     pack_split,
     rotated_dequantize,
@@ -107,7 +108,8 @@ def test_pack_split_round_trip(bits):
 @pytest.mark.parametrize("bits", [2, 2.5, 3, 4])
 def test_round_trip_distortion_is_the_codebooks(bits):
     """Random directions (the model the codebook is optimal for): the relative MSE of the round trip equals the
-    codebook's distortion per coordinate times d, mixed over the split; norms survive to fp16 precision."""
+    codebook's distortion per coordinate times d, mixed over the split (a little less: the stored scale is the
+    least-squares one for the codes, which is never worse than the norm)."""
     d, sp = 64, split_bits(bits, 64)
     x = torch.randn(20000, d, generator=torch.Generator().manual_seed(1)) * 3
     r = rotation_matrix(d)
@@ -115,8 +117,12 @@ def test_round_trip_distortion_is_the_codebooks(bits):
     xh = rotated_dequantize(codes, norm, sp, r)
     rel = float(((xh - x) ** 2).sum(-1).mean() / (x ** 2).sum(-1).mean())
     expect = (sp.n_hi * lloyd_max(sp.bits_hi, d).mse + sp.n_lo * lloyd_max(sp.bits_lo, d).mse)
-    assert rel == pytest.approx(expect, rel=0.03)
-    torch.testing.assert_close(norm.float().squeeze(-1), x.norm(dim=-1), rtol=1e-3, atol=0)
+    assert 0.9 * expect < rel < 1.03 * expect
+    xn = rotated_dequantize(codes, x.norm(dim=-1, keepdim=True), sp, r)  # the same codes scaled by the norm
+    assert rel < float(((xn - x) ** 2).sum(-1).mean() / (x ** 2).sum(-1).mean())
+    c = codebook_values(codes, sp)
+    ls = ((x @ r) * c).sum(-1) / (c * c).sum(-1)
+    torch.testing.assert_close(norm.float().squeeze(-1), ls, rtol=1e-3, atol=0)
 
 
 def test_sign_sketch_is_unbiased():

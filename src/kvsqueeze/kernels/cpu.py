@@ -128,9 +128,9 @@ def _fmt(fmt: StorageFormat) -> list[int]:
         return [_FP, 16, 1, 0, 0, 0]
     if fmt.kind == "int":
         return [_INT_TOKEN if fmt.axis == "token" else _INT_CHANNEL, fmt.bits, fmt.group, int(fmt.symmetric), 0, 0]
-    if fmt.kind == "rot":  # high width, how many coordinates take it, low width
+    if fmt.kind == "rot":  # high width, how many coordinates take it, low width, centring group (0: none)
         sp = split_bits(fmt.bits, fmt.head_dim)
-        return [_CODEBOOK, sp.bits_hi, sp.n_hi, sp.bits_lo, 0, 0]
+        return [_CODEBOOK, sp.bits_hi, sp.n_hi, sp.bits_lo, fmt.token_group if fmt.axis == "channel" else 0, 0]
     return [_FP8, 8, 1, 0, int(fmt.fp8_variant == "e5m2"), int(fmt.fixed_scale)]
 
 
@@ -141,8 +141,9 @@ def _side_parts(fmt: StorageFormat, parts: Mapping[str, torch.Tensor], shared: M
                 ) -> list[torch.Tensor]:
     if fmt.kind == "fp":
         return [parts["x"], _EMPTY, _EMPTY]
-    if fmt.kind == "rot":  # packed codes, norms, the rotation + level table
-        return [parts["codes"], parts["norm"], rotated_kernel_table(fmt.head_dim, fmt.bits)]
+    if fmt.kind == "rot":  # packed codes, scales (centred: group means + scales), the rotation + level table
+        scales = parts["stats"] if fmt.axis == "channel" else parts["norm"]
+        return [parts["codes"], scales, rotated_kernel_table(fmt.head_dim, fmt.bits)]
     if fmt.fixed_scale:
         return [parts["codes"], shared["scale"], _EMPTY]
     return [parts["codes"], parts["scale"], parts.get("zero", _EMPTY)]

@@ -28,7 +28,8 @@ def bits_per_element(spec: QuantSpec, head_dim: int) -> float:
     scales are shared by a whole sequence, so their per-element cost is counted as 0 (returns 8.0).
 
     rot / rot-qjl: ``bits`` (exact for fractional widths: a split of whole widths over rotated coordinates) plus
-    one norm per token and head (+ 16/head_dim with fp16), and for rot-qjl one more bit and one more norm.
+    one scale per token and head (+ 16/head_dim with fp16), for rot-qjl one more bit and one more norm, and for
+    centred rot (axis "channel") one mean per channel per ``group`` tokens (+ 16/group with fp16).
 
     "none" raises ValueError: full-precision storage is the model dtype's business (16 or 32 bits).
     """
@@ -39,7 +40,8 @@ def bits_per_element(spec: QuantSpec, head_dim: int) -> float:
         spec.check_head_dim(head_dim)
         # code bits, one norm per token and head; rot-qjl: one sign bit per coordinate and the residual norm
         sketch = (1 + pbits / head_dim) if spec.fmt == "rot-qjl" else 0.0
-        return float(spec.bits) + pbits / head_dim + sketch
+        centre = pbits / spec.group if spec.axis == "channel" else 0.0
+        return float(spec.bits) + pbits / head_dim + sketch + centre
     if spec.fmt != "int":
         return 8.0 + (pbits / head_dim if spec.fp8_scale == "token" else 0.0)
     spec.check_head_dim(head_dim)

@@ -1,9 +1,9 @@
 """Data-oblivious codebook quantization of rotated head vectors (the reference; pure torch, plus numpy once).
 
-A vector ``x`` [d] is stored as its L2 norm (fp16) and one code per coordinate of the rotated unit vector
-``y = (x / |x|) @ R`` (:mod:`kvsqueeze.quant.rotation`).  Once rotated, every coordinate of a unit vector in a
-generic direction follows the same law, so one fixed scalar codebook serves every coordinate of every token with
-no calibration data: the Lloyd-Max quantizer (levels at the centroids of their cells, cell boundaries half-way
+A vector ``x`` [d] is stored as one code per coordinate of the rotated unit vector ``y = (x / |x|) @ R``
+(:mod:`kvsqueeze.quant.rotation`) and one scale (fp16): the least-squares scale of the code vector, close to
+``|x|``.  Once rotated, every coordinate of a unit vector in a generic direction follows the same law, so one
+fixed scalar codebook serves every coordinate of every token with no calibration data: the Lloyd-Max quantizer (levels at the centroids of their cells, cell boundaries half-way
 between levels, which is optimal for mean squared error) of
 
 * ``"sphere"`` (default): the exact marginal of one coordinate of a uniformly random unit vector in d dimensions,
@@ -212,23 +212,47 @@ def unpack_split(packed: Tensor, split: BitSplit) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ vectors
+def codebook_fit(y: Tensor, split: BitSplit, density: str = "sphere", scale_dtype: torch.dtype = torch.float16
+                 ) -> tuple[Tensor, Tensor]:
+    """Codes and scale of vectors ``y`` [..., d] already in the rotated space: (codes uint8 [..., d], scale
+    [..., 1] in ``scale_dtype``).
+
+    The codes are the nearest levels of the unit vector ``y / |y|``; the scale is the least-squares one for those
+    levels, ``s = y . c / (c . c)`` with ``c = levels(codes)``, not ``|y|``: the orthogonal projection of ``y`` on
+    the code vector, so ``|y - s c|`` is the smallest any scale of these codes gives (the decoder is the same,
+    ``s * c``; ``s`` is close to ``|y|``)."""
+    norm = y.norm(dim=-1, keepdim=True)
+    codes = codebook_quantize(y / torch.where(norm > 0, norm, torch.ones_like(norm)), split, density)
+    c = codebook_values(codes, split, density)
+    return codes, ((y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True)).to(scale_dtype)
+
+
 def rotated_quantize(x: Tensor, split: BitSplit, rotation: Tensor, density: str = "sphere",
                      norm_dtype: torch.dtype = torch.float16) -> tuple[Tensor, Tensor]:
-    """Quantize vectors ``x`` [..., d]: (codes uint8 [..., d], norm [..., 1] in ``norm_dtype``).
-
-    The norm is rounded to its storage dtype first and the unit vector is taken from the rounded norm, so the
-    decoder sees exactly the numbers the encoder used."""
-    xf = x.float()
-    norm = xf.norm(dim=-1, keepdim=True).to(norm_dtype)
-    nf = norm.float()
-    u = xf / torch.where(nf > 0, nf, torch.ones_like(nf))
-    return codebook_quantize(rotate(u, rotation), split, density), norm
+    """Quantize vectors ``x`` [..., d]: (codes uint8 [..., d], scale [..., 1] in ``norm_dtype``), the codes and
+    least-squares scale (:func:`codebook_fit`) of ``x R``."""
+    return codebook_fit(rotate(x.float(), rotation), split, density, norm_dtype)
 
 
 def rotated_dequantize(codes: Tensor, norm: Tensor, split: BitSplit, rotation: Tensor,
                        density: str = "sphere") -> Tensor:
-    """Vectors [..., d] float32 from codes and norms: ``norm * levels(codes) @ R.T``."""
+    """Vectors [..., d] float32 from codes and scales: ``scale * levels(codes) @ R.T``."""
     return unrotate(codebook_values(codes, split, density) * norm.float(), rotation)
+
+
+def group_means(y: Tensor, group: int, dtype: torch.dtype = torch.float16) -> Tensor:
+    """Per-channel means of ``y`` [..., T, d] over consecutive groups of ``group`` tokens: [..., T / group, d],
+    rounded to ``dtype`` (``T`` must be a multiple of ``group``)."""
+    *lead, t, d = y.shape
+    if t % group:
+        raise ValueError(f"centred rotated codes need whole groups of {group} tokens, got {t}")
+    return y.reshape(*lead, t // group, group, d).mean(-2).to(dtype)
+
+
+def expand_groups(m: Tensor, group: int) -> Tensor:
+    """[..., T / group, X] -> [..., T, X]: each group's row repeated for its tokens (float32)."""
+    *lead, n, d = m.shape
+    return m.float().unsqueeze(-2).expand(*lead, n, group, d).reshape(*lead, n * group, d)
 
 
 # ------------------------------------------------------------------------------------------------ sign sketch

@@ -37,7 +37,8 @@ class StorageFormat:
     """How one of keys or values is stored.
 
     kind:         "fp" (the model's dtype as is), "int" (affine integer codes), "fp8" (scaled float8), "ternary",
-                  "rot" / "rot-qjl" (rotated Lloyd-Max codebook codes and one norm per token; docs/rotated.md).
+                  "rot" / "rot-qjl" (rotated Lloyd-Max codebook codes and one scale per token; docs/rotated.md;
+                  axis "channel": centred by a per-channel mean per ``group`` tokens).
     bits:         code width (the dtype's width for "fp", 8 for "fp8", 1.6 packed for "ternary" -> reported as 2;
                   fractional for "rot": a split of whole widths over the rotated coordinates).
     axis / group: "token" - parameters per token over ``group`` channels; "channel" - per channel over ``group``
@@ -82,7 +83,7 @@ class StorageFormat:
     @property
     def token_group(self) -> int:
         """Tokens that must be present before they can be stored together (1 for per-token layouts)."""
-        return self.group if (self.kind == "int" and self.axis == "channel") else 1
+        return self.group if (self.kind in ("int", "rot") and self.axis == "channel") else 1
 
     @property
     def fixed_scale(self) -> bool:
@@ -132,6 +133,8 @@ def storage_format(spec: QuantSpec, head_dim: int, dtype: torch.dtype) -> Storag
         flags["permuted"] = ex.perm is not None
     pdtype = param_torch_dtype(spec.param_dtype)
     if spec.fmt in ROT_FORMATS:
+        if spec.axis == "channel":  # centred: a mean per channel per group of spec.group tokens
+            return StorageFormat(spec.fmt, head_dim, spec.bits, pdtype, axis="channel", group=spec.group, **flags)
         return StorageFormat(spec.fmt, head_dim, spec.bits, pdtype, group=head_dim, **flags)
     if spec.fmt.startswith("fp8"):
         return StorageFormat("fp8", head_dim, 8, pdtype, fp8_variant=spec.fmt[4:], fp8_scale=spec.fp8_scale,

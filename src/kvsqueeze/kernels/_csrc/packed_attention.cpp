@@ -70,7 +70,10 @@ struct Fmt {
 // CODEBOOK reuses the six ints: bits = high width, group = coordinates at the high width (first), sym = low
 // width.  Its parts: x = packed codes (high run, then low run), scale = norm per token, zero = the format's
 // table [1, 1, D + 2, W]: rows 0..D-1 the rotation R (y = x R), row D the high codebook, row D+1 the low one.
+// Centred layouts (fp8 = G > 0): scale holds one row per G tokens, the group's mean in the rotated space (D
+// values) then its G tokens' scales, and a row decodes to mean + scale * cb[code].
 inline int cb_n_hi(const Fmt& f) { return f.group; }
+inline int cb_group(const Fmt& f) { return f.fp8; }
 inline int cb_bits_lo(const Fmt& f) { return f.sym; }
 inline int run_per(int bits) { return bits == 3 ? 8 : 8 / bits; }  // codes per packing unit
 
@@ -331,18 +334,34 @@ inline void unpack_run(int bits, const uint8_t* src, float* dst, int n, const fl
 
 inline const float* table_row(const Side& sd, int r) { return reinterpret_cast<const float*>(sd.zero.row(0, 0, r)); }
 
-// Rotated codebook rows [t0, t0+n): norm * cb[code] in the rotated space, field-major order, into out[n][D].
-inline void codebook_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* out) {
+// Rotated codebook rows [t0, t0+n): (mean +) scale * cb[code] in the rotated space, field-major order (chan:
+// the rotated coordinate at each position), into out[n][D].
+inline void codebook_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* out,
+                          const int* chan) {
   const Fmt& f = sd.f;
-  const int nh = cb_n_hi(f), nl = D - nh, bl = cb_bits_lo(f);
+  const int nh = cb_n_hi(f), nl = D - nh, bl = cb_bits_lo(f), G = cb_group(f);
   const float* lut_hi = table_row(sd, D);
   const float* lut_lo = table_row(sd, D + 1);
   const int hi_bytes = nh * f.bits / 8;
+  float mean[512];
+  int64_t cur = -1;
   for (int t = 0; t < n; ++t) {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + t));
     float* o = out + t * D;
     if (nh) unpack_run(f.bits, src, o, nh, lut_hi);
     if (nl) unpack_run(bl, src + hi_bytes, o + nh, nl, lut_lo);
+    if (G) {  // centred: the group's row holds its mean, then one scale per token
+      const int64_t tok = t0 + t;
+      const char* row = sd.scale.row(b, h, tok / G);
+      if (tok / G != cur) {
+        cur = tok / G;
+        for (int j = 0; j < D; ++j) mean[j] = ld(sd.scale.dt, row, chan[j]);
+      }
+      const float scale = ld(sd.scale.dt, row, D + tok % G);
+#pragma omp simd
+      for (int j = 0; j < D; ++j) o[j] = o[j] * scale + mean[j];
+      continue;
+    }
     const float norm = ld(sd.scale.dt, sd.scale.row(b, h, t0 + t), 0);
 #pragma omp simd
     for (int j = 0; j < D; ++j) o[j] *= norm;
@@ -369,7 +388,7 @@ const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
     return out;
   }
   if (f.kind == CODEBOOK) {
-    codebook_rows(sd, b, h, t0, n, D, out);
+    codebook_rows(sd, b, h, t0, n, D, out, pm.chan.data());
     return out;
   }
   if (f.kind == FP8) {
@@ -948,7 +967,8 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
                   tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
                   "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
       TORCH_CHECK(sd->f.bits >= 1 && sd->f.bits <= 4 && cb_bits_lo(sd->f) >= 1 && cb_bits_lo(sd->f) <= 4 &&
-                  cb_n_hi(sd->f) % 8 == 0 && (D - cb_n_hi(sd->f)) % 8 == 0, "bad codebook format");
+                  cb_n_hi(sd->f) % 8 == 0 && (D - cb_n_hi(sd->f)) % 8 == 0 && cb_group(sd->f) >= 0,
+                  "bad codebook format");
       (sd == &segs[i].k ? kcb : vcb) = sd;
     }
   }
