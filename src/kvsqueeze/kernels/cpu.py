@@ -2,9 +2,12 @@
 
 The extension (``_csrc/packed_attention.cpp``) reads every block's packed codes and parameters in place, splits the
 context into chunks scored in parallel on torch's intra-op threads (flash-decoding) and merges the chunk partials
-with an exact log-sum-exp.  It serves decode-sized steps (up to ``MAX_QUERIES`` new tokens); longer steps (a
-prompt continued on top of a cache) go to the block-by-block reference, whose per-block dequantization is then
-amortised over many queries and whose matmuls use BLAS.
+with an exact log-sum-exp.  It serves decode-sized steps (up to ``MAX_QUERIES`` new tokens).  Longer steps (a
+prompt fed in chunks on top of a packed history) go to its multi-query entry point ``attend_multi``: work items
+of ``Q_TILE`` queries (times the GQA group's heads) that dequantize ``K_TILE`` stored tokens at a time into a small
+float32 tile, score and accumulate it with two BLAS GEMMs and an exact online softmax, skipping tiles the mask
+hides (the module comment above it in the C++ source says why this design).  Formats the kernel cannot read
+(calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
 The build is cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``),
 keyed by a hash of the source and of this machine's CPU flags (it is compiled with ``-march=native``).  If the
