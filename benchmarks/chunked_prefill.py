@@ -13,6 +13,7 @@ interleaved N times and the median is printed.  Ratios are to (a) from the same 
 printed before and after, since the timings are only comparable within one run.
 
     PYTHONPATH=src python benchmarks/chunked_prefill.py --tokens 8000 --chunk 1024 --threads 1
+    PYTHONPATH=src python benchmarks/chunked_prefill.py --kernel-history 3072 --chunk 1024 --threads 1  # kernel only
 """
 
 from __future__ import annotations
@@ -40,6 +41,50 @@ def prefill_seconds(model, ids: torch.Tensor, spec: str, backend: str, chunk: in
     return time.perf_counter() - start
 
 
+def kernel_comparison(history: int, chunk: int, spec: str, repeats: int) -> None:
+    """One layer's attention for one chunk alone: ``chunk`` queries (SmolLM2 heads: 3 KV heads, 9 query heads,
+    head_dim 64) over ``history`` packed tokens and themselves, causal bool mask as transformers passes it: torch
+    SDPA over the same tokens held exact, the C++ multi-query kernel, the block-by-block reference (best of N)."""
+    from kvsqueeze.cache.layer import LayerKV
+    from kvsqueeze.kernels import cpu, reference
+    from kvsqueeze.spec import preset
+
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(1, 3, history + chunk, 64, generator=g) * 1.5 + 0.3
+    v = torch.randn(1, 3, history + chunk, 64, generator=g)
+    q = torch.randn(1, 9, chunk, 64, generator=g)
+    layer = LayerKV(preset(spec))
+    layer.stage(k[:, :, :history], v[:, :, :history])
+    layer.commit()
+    layer.stage(k[:, :, history:], v[:, :, history:])
+    plan = layer.plan()
+    cols = torch.arange(history + chunk)
+    mask = (cols[None, :] <= (torch.arange(chunk) + history)[:, None])[None, None]
+    methods = {
+        "torch SDPA, exact K/V": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True),
+        f"C++ multi-query kernel, {spec}": lambda: cpu.attend(q, plan, mask, 0.125),
+        f"reference, {spec}": lambda: reference.attend(q, plan, mask, 0.125),
+    }
+    best = {}
+    for name, fn in methods.items():
+        fn()
+        best[name] = min(_timed(fn) for _ in range(repeats))
+    base = best["torch SDPA, exact K/V"]
+    print(f"\n# one layer, one chunk: {chunk} queries over {history} stored tokens + themselves, "
+          f"{torch.get_num_threads()} thread(s), best of {repeats}")
+    print("| method | ms | vs SDPA |")
+    print("|---|---|---|")
+    for name, t in best.items():
+        print(f"| {name} | {t * 1e3:.0f} | {t / base:.2f}x |")
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8000, help="prompt length")
@@ -48,10 +93,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repetitions (median printed)")
     ap.add_argument("--skip-reference", action="store_true", help="leave out (d), the slowest run")
+    ap.add_argument("--kernel-history", type=int, default=0,
+                    help="only time one layer's attention for one chunk over this many stored tokens (0: off)")
     args = ap.parse_args()
-    if args.tokens < 1 or args.chunk < 1 or args.threads < 1 or args.repeats < 1:
-        ap.error("--tokens, --chunk, --threads and --repeats must be positive")
+    if args.tokens < 1 or args.chunk < 1 or args.threads < 1 or args.repeats < 1 or args.kernel_history < 0:
+        ap.error("--tokens, --chunk, --threads and --repeats must be positive, --kernel-history >= 0")
     torch.set_num_threads(args.threads)
+    if args.kernel_history:
+        kernel_comparison(args.kernel_history, args.chunk, args.spec, max(args.repeats, 3))
+        return
 
     from kvsqueeze import load_model
     from kvsqueeze.kernels import cpu
