@@ -1161,6 +1161,26 @@ inline float max8(const float* x, int n) {
   return i < n ? std::max(best, max_of(x + i, n - i)) : best;
 }
 
+}  // namespace
+
+// MKL (torch's BLAS on x86) opened its own thread team inside each work item's GEMMs: with 2 intra-op threads the
+// kernel spent half its time spinning in libgomp and ran 3-4x slower than on 1.  Work items therefore pin their
+// BLAS calls to their own thread; weak, so builds whose BLAS is not MKL simply skip it.  (MKL's C entry point, which
+// its header names mkl_set_num_threads_local; the lower-case symbol is the Fortran one, taking a pointer.)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+namespace {
+
+struct SerialBlas {
+  int prev = 0;
+  SerialBlas() {
+    if (MKL_Set_Num_Threads_Local) prev = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SerialBlas() {
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(prev);
+  }
+};
+
 at::Tensor mat(float* p, int64_t rows, int64_t cols, int64_t ld) {
   return at::from_blob(p, {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
@@ -1324,6 +1344,7 @@ at::Tensor attend_multi(const at::Tensor& q, const std::vector<at::Tensor>& part
               mask_bool ? maskf.data_ptr<bool>() : nullptr, has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr,
               kv_offset, query_start, static_cast<float>(scaling), out.data_ptr<float>()};
   at::parallel_for(0, B * Hkv * NT, 1, [&](int64_t lo, int64_t hi) {
+    SerialBlas serial;
     MultiScratch sc(cx);
     for (int64_t w = lo; w < hi; ++w) {
       if (D == 64) run_tile<64>(cx, w, sc);
