@@ -92,10 +92,9 @@ def test_half_precision_models(spec, dtype):
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_long_steps_use_the_reference():
+def test_long_steps_use_the_multi_query_kernel():  # its own tests: test_cpu_multiquery.py
     layer = filled_layer("kivi-2", batch=1, kv_heads=2, stored=200, new=cpu.MAX_QUERIES + 4)
-    q = query_for(layer, 4, cpu.MAX_QUERIES + 4)
-    assert torch.equal(cpu.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
+    assert_matches_reference(cpu.attend, layer, 4, cpu.MAX_QUERIES + 4)
 
 
 def test_auto_backend_picks_cpu_and_fallback(monkeypatch):

@@ -2,9 +2,12 @@
 
 The extension (``_csrc/packed_attention.cpp``) reads every block's packed codes and parameters in place, splits the
 context into chunks scored in parallel on torch's intra-op threads (flash-decoding) and merges the chunk partials
-with an exact log-sum-exp.  It serves decode-sized steps (up to ``MAX_QUERIES`` new tokens); longer steps (a
-prompt continued on top of a cache) go to the block-by-block reference, whose per-block dequantization is then
-amortised over many queries and whose matmuls use BLAS.
+with an exact log-sum-exp.  It serves decode-sized steps (up to ``MAX_QUERIES`` new tokens).  Longer steps (a
+prompt fed in chunks on top of a packed history) go to its multi-query entry point ``attend_multi``: work items
+of ``Q_TILE`` queries (times the GQA group's heads) that dequantize ``K_TILE`` stored tokens at a time into a small
+float32 tile, score and accumulate it with two BLAS GEMMs and an exact online softmax, skipping tiles the mask
+hides (the module comment above it in the C++ source says why this design).  Formats the kernel cannot read
+(calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
 The build is cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``),
 keyed by a hash of the source and of this machine's CPU flags (it is compiled with ``-march=native``).  If the
@@ -33,8 +36,10 @@ from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
 from . import reference
 
-MAX_QUERIES = 16  # new tokens per step served by the fused kernel; more go to the reference
-CHUNK_TOKENS = 256  # tokens per parallel work item
+MAX_QUERIES = 16  # new tokens per step served by the decode kernel; more go to the tiled multi-query kernel
+CHUNK_TOKENS = 256  # decode: tokens per parallel work item
+Q_TILE = 64  # multi-query: queries per work item (times the GQA group's heads)
+K_TILE = 256  # multi-query: tokens dequantized and scored at a time
 _SOURCE = Path(__file__).with_name("_csrc") / "packed_attention.cpp"
 _FP, _INT_TOKEN, _INT_CHANNEL, _FP8, _CODEBOOK = 0, 1, 2, 3, 4
 
@@ -178,7 +183,7 @@ def packed_segments(plan: SegmentPlan) -> tuple[list[torch.Tensor], list[int], l
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds."""
     ext = load_extension()
-    if ext is None or query.device.type != "cpu" or query.shape[2] > MAX_QUERIES or not supports(plan):
+    if ext is None or query.device.type != "cpu" or not supports(plan):
         return reference.attend(query, plan, mask, scaling)
     parts, pos, num, new, fmt, fmts = packed_segments(plan)
     if not pos:
@@ -189,6 +194,10 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     chunk = max(f, CHUNK_TOKENS // f * f)
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
     m = _EMPTY if mask is None else mask
-    out = ext.attend(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start, float(scaling),
-                     chunk)
+    if query.shape[2] > MAX_QUERIES:
+        out = ext.attend_multi(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start,
+                               float(scaling), Q_TILE, K_TILE)
+    else:
+        out = ext.attend(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start,
+                         float(scaling), chunk)
     return out.to(query.dtype)
