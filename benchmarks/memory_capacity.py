@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caches", nargs="+", default=list(CACHES))
     p.add_argument("--long", type=int, default=8000, help="the long prompt (batch 1), 0 to skip")
     p.add_argument("--long-caches", nargs="+", default=["full", "kivi-2", "hf-dynamic"])
+    p.add_argument("--long-chunks", type=int, nargs="+", default=None,
+                   help="prefill chunks of the long runs (default: --chunk and 0, one pass)")
     p.add_argument("--batch-run", default="4x4096", help="BxT run for the batch figure and the projection check")
     p.add_argument("--batch-caches", nargs="+", default=["full", "kivi-2"])
     p.add_argument("--budget", default="2GiB")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# peak memory and capacity, {args.threads} threads, prefill chunk {args.chunk}", file=sys.stderr)
     if args.long:
         runs = []
-        for chunk in (args.chunk, 0):
+        for chunk in args.long_chunks or (args.chunk, 0):
             for kv in args.long_caches:
                 runs.append(speed(kv, args.long, 1, chunk, args.threads, None))
         results["long"] = runs

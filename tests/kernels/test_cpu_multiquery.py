@@ -26,6 +26,7 @@ SPECS = [
     "k4c16-v8t8-w16-s1",
     "k2t32-v4c64-w64",
     "rot-3", "k2.75r-v2.75r-w64-s3", "k3.25r-v2c32-w32", "k2c32-v3.5r-w32-s1",  # rotated codebooks
+    "k3rc32-v2.375rc32-w64-s3", "k2.5rc16-v2c16-w32",  # centred rotated sides (a mean per channel per group)
 ]
 
 
