@@ -21,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -70,25 +71,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="2GiB")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk of the chunked runs (default 512)")
     p.add_argument("--out", default=None, help="folder for results.json and capacity.png")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time (each is its own process, so peaks stay separate; times then overlap)")
     args = p.parse_args(argv)
     from kvsqueeze.eval.capacity import check_projection, parse_budget
 
     parse_budget(args.budget)
     results: dict = {"threads": args.threads, "chunk": args.chunk, "budget": args.budget}
-    print(f"# peak memory and capacity, {args.threads} threads, prefill chunk {args.chunk}", file=sys.stderr)
-    if args.long:
-        runs = []
-        for chunk in args.long_chunks or (args.chunk, 0):
-            for kv in args.long_caches:
-                runs.append(speed(kv, args.long, 1, chunk, args.threads, None))
-        results["long"] = runs
+    print(f"# peak memory and capacity, {args.threads} threads, prefill chunk {args.chunk}, {args.jobs} run(s) at a "
+          f"time", file=sys.stderr)
     b, t = (int(x) for x in args.batch_run.lower().split("x"))
-    results["batch"] = [speed(kv, t, b, args.chunk, args.threads, None) for kv in args.batch_caches]
+    jobs = []  # (group, kv, context, batch, chunk, budget)
+    if args.long:
+        jobs += [("long", kv, args.long, 1, chunk, None) for chunk in args.long_chunks or (args.chunk, 0)
+                 for kv in args.long_caches]
+    jobs += [("batch", kv, t, b, args.chunk, None) for kv in args.batch_caches]
+    jobs += [("capacity", kv, 4096, 1, args.chunk, args.budget) for kv in args.caches]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        recs = list(pool.map(lambda j: speed(j[1], j[2], j[3], j[4], args.threads, j[5]), jobs))
+    for group in ("long", "batch"):
+        results[group] = [r for j, r in zip(jobs, recs) if j[0] == group]
     cap = {}
-    for kv in args.caches:
-        rec = speed(kv, 4096, 1, args.chunk, args.threads, args.budget)
-        cap[kv] = rec["capacity"]
-        cap[kv]["measured_on"] = {k: rec[k] for k in ("batch", "context", "prefill_chunk", "peak_rss_delta_bytes")}
+    for j, rec in zip(jobs, recs):
+        if j[0] == "capacity":
+            cap[j[1]] = rec["capacity"]
+            cap[j[1]]["measured_on"] = {k: rec[k] for k in ("batch", "context", "prefill_chunk",
+                                                            "peak_rss_delta_bytes")}
     results["capacity"] = cap
     checks = []
     for rec in results["batch"]:

@@ -754,6 +754,23 @@ bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
   }
 }
 
+// One query row's scores over n keys from mask column col0 on: a boolean mask hides (-inf), a float mask adds its
+// bias, columns outside the mask are hidden.  Shared by the decode path (Ctx) and the multi-query path (MultiCtx).
+template <class C>
+inline void mask_row(const C& cx, int64_t b, int64_t lq, int64_t col0, int n, float* sr) {
+  const int64_t bb = cx.mB == 1 ? 0 : b;
+  for (int t = 0; t < n; ++t) {
+    const int64_t col = col0 + t;
+    if (col < 0 || col >= cx.mcols) {
+      sr[t] = NEG_INF;
+    } else if (cx.mbp) {
+      if (!cx.mbp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3]) sr[t] = NEG_INF;
+    } else {
+      sr[t] += cx.mfp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3];
+    }
+  }
+}
+
 struct Ctx {
   int64_t B, Hq, Lq;
   int D;
@@ -850,18 +867,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     float* sr = s + r * chunk;
     const int64_t lq = r % Lq;
     if (cx.has_mask) {
-      const int64_t bb = cx.mB == 1 ? 0 : b;
-      const int64_t col0 = sg.pos + it.t0 - cx.kv_offset;
-      for (int t = 0; t < n; ++t) {
-        const int64_t col = col0 + t;
-        if (col < 0 || col >= cx.mcols) {
-          sr[t] = NEG_INF;
-        } else if (cx.mbp) {
-          if (!cx.mbp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3]) sr[t] = NEG_INF;
-        } else {
-          sr[t] += cx.mfp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3];
-        }
-      }
+      mask_row(cx, b, lq, sg.pos + it.t0 - cx.kv_offset, n, sr);
     } else if (sg.is_new && Lq > 1) {
       const int64_t qpos = cx.query_start + lq;
       for (int t = 0; t < n; ++t)
@@ -1118,18 +1124,7 @@ void apply_tile_mask(const MultiCtx& cx, int64_t b, int64_t q0, int64_t nq, cons
     float* sr = s + r * cx.KT;
     const int64_t lq = q0 + r % nq;
     if (cx.has_mask) {
-      const int64_t bb = cx.mB == 1 ? 0 : b;
-      const int64_t col0 = sg.pos + t0 - cx.kv_offset;
-      for (int t = 0; t < nt; ++t) {
-        const int64_t col = col0 + t;
-        if (col < 0 || col >= cx.mcols) {
-          sr[t] = NEG_INF;
-        } else if (cx.mbp) {
-          if (!cx.mbp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3]) sr[t] = NEG_INF;
-        } else {
-          sr[t] += cx.mfp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3];
-        }
-      }
+      mask_row(cx, b, lq, sg.pos + t0 - cx.kv_offset, nt, sr);
     } else {
       const int64_t qpos = cx.query_start + lq;
       for (int t = 0; t < nt; ++t)
