@@ -75,6 +75,34 @@ def test_speed_json(tiny_model_dir, tmp_path, capsys):
     assert "2 threads" in capsys.readouterr().out
 
 
+def test_speed_budget_and_prefill_chunk(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--kv", "kivi-2", "--model", str(tiny_model_dir), "--context", "300", "--decode-tokens", "2",
+                 "--prefill-chunk", "128", "--budget", "1GiB", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    c = r["capacity"]
+    assert r["prefill_chunk"] == 128 and c["budget_bytes"] == 2**30
+    per_seq = c["transient_bytes_per_sequence"] + c["fixed_bytes"] + 4096 * c["bytes_per_token"]
+    assert c["max_batch"] == int(2**30 // per_seq) and c["bytes_per_sequence"] == pytest.approx(per_seq)
+    assert "capacity in 1.00 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "the memory budget must be positive"),
+    (["--budget", "lots"], "cannot read the memory budget 'lots'"),
+    (["--prefill-chunk", "-1"], "must be 0 (one pass) or a positive number of tokens"),
+    (["--prefill-chunk", "100000"], "larger than the model's context"),
+])
+def test_speed_bad_budget_or_chunk_is_one_line(tiny_model_dir, capsys, argv, message):
+    try:
+        code = main(["speed", "--kv", "kivi-2", "--model", str(tiny_model_dir), "--context", "64", *argv])
+    except SystemExit as exc:  # argparse's own type errors
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
 def test_retrieval_json_and_heatmap(tiny_model_dir, tmp_path):
     out = tmp_path / "ret.json"
     assert main(["retrieval", "--kv", "hf-dynamic", "--model", str(tiny_model_dir), "--lengths", "260,300",

@@ -24,15 +24,19 @@ KV_HELP = ("cache: a preset (kvsqueeze presets), a spec string like k2c32-v2t32-
            "such as hf-dynamic, hf-quanto-int4, vllm:fp8_e4m3 (vLLM's own cache, README: vLLM)")
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
+def _int_at_least(text: str, low: int, expected: str, bound: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    return _int_at_least(text, 1, "a positive integer", "at least 1")
 
 
 def json_destination(text: str) -> str:
@@ -69,14 +73,8 @@ def add_corpus(group: Any, what: str = "corpus") -> None:
 
 
 def non_negative_int(text: str) -> int:
-    """argparse type: an integer of at least 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of tokens, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (one pass) or a positive number of tokens, got {value}")
-    return value
+    """argparse type: an integer of at least 0 (for --prefill-chunk, 0 = one pass)."""
+    return _int_at_least(text, 0, "a whole number of tokens", "0 (one pass) or a positive number of tokens")
 
 
 def add_prefill_chunk(p: argparse.ArgumentParser) -> None:
