@@ -902,6 +902,68 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
 // q: float32 [B, Hq, Lq, D] contiguous.  Per segment: 6 tensors (k.x, k.scale, k.zero, v.x, v.scale, v.zero;
 // empty where absent), its absolute start, token count, is-new flag and format index (into fmts: 6 ints each,
 // keys then values).  mask: empty, bool or float [B|1, 1, Lq, kv_len].  Returns float32 [B, Hq, Lq, D].
+// The segment lists both entry points take, unpacked: one Seg per segment, each format's field orders (formats no
+// segment uses get identity orders, never read) and, per format, a rotated-codebook side whose table (rotation +
+// levels) was checked here once.
+struct Segments {
+  std::vector<Seg> segs;
+  std::vector<Perm> kperm, vperm;
+  std::vector<const Side*> kcb, vcb;
+  int64_t Hkv = 0;
+};
+
+Segments read_segments(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
+                       const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
+                       const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, int D) {
+  const size_t S = seg_pos.size(), NF = fmts.size() / 12;
+  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S,
+              "bad segment lists");
+  Segments g;
+  g.segs.resize(S);
+  g.kperm.resize(NF);
+  g.vperm.resize(NF);
+  g.kcb.assign(NF, nullptr);
+  g.vcb.assign(NF, nullptr);
+  for (size_t i = 0; i < S; ++i) {
+    TORCH_CHECK(seg_fmt[i] >= 0 && static_cast<size_t>(seg_fmt[i]) < NF, "bad segment format index");
+    Seg& s = g.segs[i];
+    Side* sides[2] = {&s.k, &s.v};
+    for (int w = 0; w < 2; ++w) {
+      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
+      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+      sides[w]->x = make_part(parts[6 * i + 3 * w]);
+      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
+      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
+      if (sides[w]->f.kind != CODEBOOK) continue;
+      const at::Tensor& tab = parts[6 * i + 3 * w + 2];
+      const Fmt& f = sides[w]->f;
+      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
+                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
+                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
+      TORCH_CHECK(f.bits >= 1 && f.bits <= 4 && cb_bits_lo(f) >= 1 && cb_bits_lo(f) <= 4 && cb_n_hi(f) % 8 == 0 &&
+                  (D - cb_n_hi(f)) % 8 == 0 && cb_group(f) >= 0, "bad codebook format");
+      (w == 0 ? g.kcb : g.vcb)[seg_fmt[i]] = sides[w];
+    }
+    s.pos = seg_pos[i];
+    s.n = seg_n[i];
+    s.is_new = seg_new[i] != 0;
+    g.Hkv = parts[6 * i].size(1);
+    g.kperm[seg_fmt[i]] = field_perm(s.k.f, D);
+    g.vperm[seg_fmt[i]] = field_perm(s.v.f, D);
+  }
+  for (size_t f = 0; f < NF; ++f)
+    if (g.kperm[f].chan.empty()) g.kperm[f] = g.vperm[f] = field_perm(Fmt{}, D);
+  return g;
+}
+
+// the codebook side of any format (a plan stores one format: every stored segment shares its table)
+const Side* any_side(const std::vector<const Side*>& per_format) {
+  const Side* out = nullptr;
+  for (const Side* sd : per_format)
+    if (sd) out = sd;
+  return out;
+}
+
 at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
                   const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
                   const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, const at::Tensor& mask,
@@ -911,25 +973,10 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   const int D = static_cast<int>(q.size(3));
   const size_t S = seg_pos.size();
-  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S, "bad segment lists");
-  std::vector<Seg> segs(S);
-  int64_t Hkv = 0;
-  for (size_t i = 0; i < S; ++i) {
-    Seg& s = segs[i];
-    Side* sides[2] = {&s.k, &s.v};
-    for (int w = 0; w < 2; ++w) {
-      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
-      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
-      sides[w]->x = make_part(parts[6 * i + 3 * w]);
-      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
-      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
-    }
-    s.pos = seg_pos[i];
-    s.n = seg_n[i];
-    s.is_new = seg_new[i] != 0;
-    Hkv = parts[6 * i].size(1);
-  }
   TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
+  const Segments g = read_segments(parts, seg_pos, seg_n, seg_new, seg_fmt, fmts, D);
+  const std::vector<Seg>& segs = g.segs;
+  const int64_t Hkv = g.Hkv;
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
   const int64_t rep = Hq / Hkv, R = rep * Lq;
 
@@ -954,30 +1001,12 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
   const bool* mbp = mask_bool ? maskf.data_ptr<bool>() : nullptr;
   const float* mfp = has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr;
 
-  // field-major orders per format (index 0: fp segments, 1: the store)
-  const size_t NF = fmts.size() / 12;
-  std::vector<Perm> kperm(NF), vperm(NF);
-  for (size_t i = 0; i < S; ++i) {
-    kperm[seg_fmt[i]] = field_perm(segs[i].k.f, D);
-    vperm[seg_fmt[i]] = field_perm(segs[i].v.f, D);
-  }
-
-  // rotated codebook layouts: their table (rotation + levels), checked once; queries rotated once for the keys
-  const Side* kcb = nullptr;
-  const Side* vcb = nullptr;
-  for (size_t i = 0; i < S; ++i) {
-    for (const Side* sd : {&segs[i].k, &segs[i].v}) {
-      if (sd->f.kind != CODEBOOK) continue;
-      const at::Tensor& tab = parts[6 * i + (sd == &segs[i].k ? 2 : 5)];
-      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
-                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
-                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
-      TORCH_CHECK(sd->f.bits >= 1 && sd->f.bits <= 4 && cb_bits_lo(sd->f) >= 1 && cb_bits_lo(sd->f) <= 4 &&
-                  cb_n_hi(sd->f) % 8 == 0 && (D - cb_n_hi(sd->f)) % 8 == 0 && cb_group(sd->f) >= 0,
-                  "bad codebook format");
-      (sd == &segs[i].k ? kcb : vcb) = sd;
-    }
-  }
+  // field-major orders per format (index 0: fp segments, 1: the store); rotated codebook layouts: their table,
+  // checked once by read_segments; queries rotated once for the keys
+  const std::vector<Perm>& kperm = g.kperm;
+  const std::vector<Perm>& vperm = g.vperm;
+  const Side* kcb = any_side(g.kcb);
+  const Side* vcb = any_side(g.vcb);
   std::vector<float> qrot;
   if (kcb) {  // q' = q R, one D x D product per query row
     qrot.assign(static_cast<size_t>(B * Hq * Lq * D), 0.f);
@@ -1307,44 +1336,10 @@ at::Tensor attend_multi(const at::Tensor& q, const std::vector<at::Tensor>& part
   TORCH_CHECK(q_tile > 0 && k_tile > 0, "tiles must be positive");
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   const int D = static_cast<int>(q.size(3));
-  const size_t S = seg_pos.size();
-  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S,
-              "bad segment lists");
+  const size_t S = seg_pos.size(), NF = fmts.size() / 12;
   TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
-  const size_t NF = fmts.size() / 12;
-  std::vector<Seg> segs(S);
-  std::vector<Perm> kperm(NF), vperm(NF);
-  std::vector<const Side*> kcb(NF, nullptr), vcb(NF, nullptr);
-  int64_t Hkv = 0;
-  for (size_t i = 0; i < S; ++i) {
-    TORCH_CHECK(seg_fmt[i] >= 0 && static_cast<size_t>(seg_fmt[i]) < NF, "bad segment format index");
-    Seg& s = segs[i];
-    Side* sides[2] = {&s.k, &s.v};
-    for (int w = 0; w < 2; ++w) {
-      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
-      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
-      sides[w]->x = make_part(parts[6 * i + 3 * w]);
-      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
-      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
-      if (sides[w]->f.kind != CODEBOOK) continue;
-      const at::Tensor& tab = parts[6 * i + 3 * w + 2];
-      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
-                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
-                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
-      TORCH_CHECK(sides[w]->f.bits >= 1 && sides[w]->f.bits <= 4 && cb_bits_lo(sides[w]->f) >= 1 &&
-                  cb_bits_lo(sides[w]->f) <= 4 && cb_n_hi(sides[w]->f) % 8 == 0 &&
-                  (D - cb_n_hi(sides[w]->f)) % 8 == 0, "bad codebook format");
-      (w == 0 ? kcb : vcb)[seg_fmt[i]] = sides[w];
-    }
-    s.pos = seg_pos[i];
-    s.n = seg_n[i];
-    s.is_new = seg_new[i] != 0;
-    Hkv = parts[6 * i].size(1);
-    kperm[seg_fmt[i]] = field_perm(s.k.f, D);
-    vperm[seg_fmt[i]] = field_perm(s.v.f, D);
-  }
-  for (size_t f = 0; f < NF; ++f)  // formats no segment uses: identity orders, never read
-    if (kperm[f].chan.empty()) kperm[f] = vperm[f] = field_perm(Fmt{}, D);
+  const Segments g = read_segments(parts, seg_pos, seg_n, seg_new, seg_fmt, fmts, D);
+  const int64_t Hkv = g.Hkv;
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
   auto out = at::zeros({B, Hq, Lq, D}, q.options());
   if (S == 0 || Lq == 0) return out;
@@ -1352,8 +1347,8 @@ at::Tensor attend_multi(const at::Tensor& q, const std::vector<at::Tensor>& part
   const bool mask_bool = has_mask && mask.scalar_type() == at::kBool;
   at::Tensor maskf = has_mask && !mask_bool ? mask.to(at::kFloat) : mask;
   const int64_t QT = std::min(q_tile, Lq), NT = (Lq + QT - 1) / QT;
-  MultiCtx cx{B, Hq, Lq, Hkv, Hq / Hkv, QT, k_tile, NT, static_cast<int64_t>(NF), D, q.data_ptr<float>(), &segs,
-              &seg_fmt, &kperm, &vperm, &kcb, &vcb, has_mask,
+  MultiCtx cx{B, Hq, Lq, Hkv, Hq / Hkv, QT, k_tile, NT, static_cast<int64_t>(NF), D, q.data_ptr<float>(), &g.segs,
+              &seg_fmt, &g.kperm, &g.vperm, &g.kcb, &g.vcb, has_mask,
               has_mask ? maskf.size(0) : 0, has_mask ? maskf.size(3) : 0, has_mask ? maskf.stride(0) : 0,
               has_mask ? maskf.stride(2) : 0, has_mask ? maskf.stride(3) : 0,
               mask_bool ? maskf.data_ptr<bool>() : nullptr, has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr,
