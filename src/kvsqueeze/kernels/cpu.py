@@ -10,7 +10,7 @@ hides (the module comment above it in the C++ source says why this design).  For
 (calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
 The build is cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``),
-keyed by a hash of the source and of this machine's CPU flags (it is compiled with ``-march=native``).  If the
+keyed by a hash of the source, the compiler flags and this machine's CPU flags (it is compiled with ``-march=native``).  If the
 compiler or ninja is missing, or ``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the
 reference.  Builds are serialised by an advisory file lock that the operating system releases when its holder
 dies, so a build interrupted by Ctrl-C or a kill leaves nothing that makes the next process wait for ever (torch's
@@ -58,8 +58,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose "omp parallel" is compiled into
+# this extension; without it every work item ran on one thread whatever torch's thread count (the same libgomp
+# torch loads serves it, by soname).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_LDFLAGS = ["-fopenmp"]
+
+
 def _build_name() -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode())
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()
+                            + " ".join(_CFLAGS + _LDFLAGS).encode())
     return f"kvsqueeze_packed_attention_{digest.hexdigest()[:12]}"
 
 
@@ -105,7 +113,7 @@ def load_extension(verbose: bool = False) -> ModuleType | None:
             build_dir = _build_directory(name)
             with _build_lock(build_dir):
                 _ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
-                            extra_cflags=["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast"])
+                            extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
         except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
             _failed = f"{type(err).__name__}: {err}"
             warnings.warn(f"kvsqueeze: the C++ attention kernel could not be built ({_failed.splitlines()[0]}); "

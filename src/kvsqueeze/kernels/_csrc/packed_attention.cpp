@@ -475,17 +475,66 @@ inline float max_of(const float* x, int n) {
   return p[0];
 }
 
+// exp_sum and max_of with AVX2 intrinsics (same formula and error bound): the plain loops compiled to scalar code
+// in run_tile and run_item (and GCC's 16-lane vector types to spills), where they were a third of a tile's time.
+inline float exp_sum8(float* __restrict x, int n, float m) {
+  int i = 0;
+  float total = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.44269504088896341f),
+               ln2 = _mm256_set1_ps(0.693147180559945309f);
+  const float cs[8] = {0.000198412698f, 0.00138888889f, 0.00833333333f, 0.0416666667f, 0.166666667f, 0.5f, 1.f, 1.f};
+  __m256 tot = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), mv);
+    const __m256 y = _mm256_mul_ps(_mm256_max_ps(d, lo), log2e);
+    const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, r), ln2);
+    __m256 p = _mm256_set1_ps(cs[0]);
+    for (int c = 1; c < 8; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(cs[c]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    p = _mm256_and_ps(p, _mm256_cmp_ps(d, lo, _CMP_GE_OQ));  // below exp(-87), masked (-inf) included: 0
+    _mm256_storeu_ps(x + i, p);
+    tot = _mm256_add_ps(tot, p);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, tot);
+  for (int l = 0; l < 8; ++l) total += lanes[l];
+#endif
+  return i < n ? total + exp_sum(x + i, n - i, m) : total;
+}
+
+inline float max8(const float* x, int n) {
+  int i = 0;
+  float best = NEG_INF;
+#if defined(__AVX2__)
+  __m256 v = _mm256_set1_ps(NEG_INF);
+  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, v);
+  for (int l = 0; l < 8; ++l) best = std::max(best, lanes[l]);
+#endif
+  return i < n ? std::max(best, max_of(x + i, n - i)) : best;
+}
+
 struct Item {
   int64_t seg, t0;
   int n;
 };
 
 // ------------------------------------------------------------------------------------------------ SIMD fast path
-// GCC vector extensions (16 floats; AVX-512 zmm, or pairs of AVX2 ymm) for head_dim 64/128 and the layouts the
-// presets use: fp32, and 2/4/8-bit integer codes whose packing units fill whole 16-lane vectors.  Codes are
-// unpacked in registers and consumed at once; nothing is written back to memory per token.
-typedef float vf __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+// GCC vector extensions of the machine's native width (VW lanes: 16 with AVX-512, else 8: one AVX2 ymm; 16-lane
+// types on AVX2 were split into xmm pieces spilled through the stack and made the decode step 3-4x slower) for
+// head_dim 64/128 and the layouts the presets use: fp32, and 2/4/8-bit integer codes whose packing units fill whole
+// vectors.  Codes are unpacked in registers and consumed at once; nothing is written back to memory per token.
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VW), aligned(4)));
 
 inline vf loadf(const float* p) {
   vf v;
@@ -494,30 +543,54 @@ inline vf loadf(const float* p) {
 }
 inline void storef(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Lane t of the result = the sum of the 16 lanes of x[t]: four levels of two-input lane permutations and adds
-// (15 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.
-inline vf reduce16(const vf* x) {
+// Lane t of the result = the sum of the VW lanes of x[t]: log2(VW) levels of two-input lane permutations and adds
+// (VW - 1 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.  After level j
+// each vector holds VW >> j partial sums of 2^j inputs side by side.
+inline vf pair_sums(const vf& a, const vf& b, const vi& lo, int shift) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + shift);
+}
+
+inline vf reduce_lanes(const vf* x) {
+#if defined(__AVX512F__)
   const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
   const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
   const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
   vf y[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i) y[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1) +
-                                     __builtin_shuffle(x[2 * i], x[2 * i + 1], lo1 + 8);
-  for (int i = 0; i < 4; ++i) z[i] = __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2) +
-                                     __builtin_shuffle(y[2 * i], y[2 * i + 1], lo2 + 4);
-  for (int i = 0; i < 2; ++i) w[i] = __builtin_shuffle(z[2 * i], z[2 * i + 1], lo3) +
-                                     __builtin_shuffle(z[2 * i], z[2 * i + 1], lo3 + 2);
-  return __builtin_shuffle(w[0], w[1], lo4) + __builtin_shuffle(w[0], w[1], lo4 + 1);
+  for (int i = 0; i < 8; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 8);
+  for (int i = 0; i < 4; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 4);
+  for (int i = 0; i < 2; ++i) w[i] = pair_sums(z[2 * i], z[2 * i + 1], lo3, 2);
+  return pair_sums(w[0], w[1], lo4, 1);
+#else  // vperm2f128, then two in-lane shufps levels
+  const vi lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
+  const vi lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
+  vf y[4], z[2];
+  for (int i = 0; i < 4; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 4);
+  for (int i = 0; i < 2; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 2);
+  return pair_sums(z[0], z[1], lo3, 1);
+#endif
+}
+
+// VW consecutive code bytes widened to int32 lanes (one vpmovzxbd; a plain widening loop compiled to byte loads
+// and lane inserts through the stack at 8 lanes)
+inline vi widen(const uint8_t* __restrict src) {
+  vi x;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  std::memcpy(&x, &w, sizeof(x));
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  std::memcpy(&x, &w, sizeof(x));
+#else
+  for (int l = 0; l < VW; ++l) x[l] = src[l];
+#endif
+  return x;
 }
 
 template <int BITS>
-inline vf field(const uint8_t* __restrict src, int k) {  // k-th code of 16 consecutive bytes, as float
-  // a plain widening loop compiles to one vpmovzxbd; __builtin_convertvector on uint8 vectors was scalarised
-  int32_t w[16];
-  for (int l = 0; l < 16; ++l) w[l] = src[l];
-  vi x;
-  std::memcpy(&x, w, sizeof(x));
+inline vf field(const vi& bytes, int k) {  // k-th code of each widened byte, as float
+  vi x = bytes;
   if constexpr (BITS < 8) {
     if (k) x = x >> (k * BITS);
     if ((k + 1) * BITS < 8) x = x & ((1 << BITS) - 1);  // the top field of a byte needs no mask
@@ -525,55 +598,75 @@ inline vf field(const uint8_t* __restrict src, int k) {  // k-th code of 16 cons
   return __builtin_convertvector(x, vf);
 }
 
-// BITS == 32: float32 rows.  Row vector index k*UB + h holds field k of units [16h, 16h+16).
+// BITS == 32: float32 rows.  Row vector index k*UB + h holds field k of units [VW h, VW h + VW): the field-major
+// order (field_perm) does not depend on VW, so queries and accumulators are the same arrays at either width.
 template <int DT, int BITS>
 struct Layout {
   static constexpr int per = BITS >= 8 ? 1 : 8 / BITS;
   static constexpr int U = DT / per;
-  static constexpr int UB = U / 16;
-  static constexpr int NV = DT / 16;
+  static constexpr int UB = U / VW;
+  static constexpr int NV = DT / VW;
 };
 
-// Per-token group parameters (ag, cg: this token's NG groups, read 16 floats wide, so the buffer is padded)
-// spread over the unit blocks: lane l of block h belongs to group (16h+l)*per/G.
+// Per-token group parameters (ag, cg: this token's NG <= 16 groups, padded to 16 floats) spread over the unit
+// blocks: lane l of block h belongs to group gsel[VW h + l] = (VW h + l) * per / G; bg[h]: block h's group when
+// every block lies in one group (G / per >= VW), computed once per call (a division per token and block cost more
+// than the rest of the token's work on AMD's integer divider).
 template <int DT, int BITS>
-inline void token_affine(int group, const float* ag, const float* cg, const int* gsel, vf* av, vf* cv) {
+struct BlockGroups {
+  int g[Layout<DT, BITS>::UB];
+  explicit BlockGroups(int group) {
+    for (int hb = 0; hb < Layout<DT, BITS>::UB; ++hb) g[hb] = group ? hb * VW * Layout<DT, BITS>::per / group : 0;
+  }
+};
+
+template <int DT, int BITS>
+__attribute__((always_inline)) inline void token_affine(int group, const float* ag, const float* cg, const int* gsel,
+                                                        const BlockGroups<DT, BITS>& bg, vf* av, vf* cv) {
   using L = Layout<DT, BITS>;
-  if (group / L::per >= 16) {  // every block lies in one group: broadcasts, no permutation
+  if (group / L::per >= VW) {  // every block lies in one group: broadcasts, no permutation
     for (int hb = 0; hb < L::UB; ++hb) {
-      const int g = hb * 16 * L::per / group;  // computed, not looked up: a load chain stalled the loop
-      av[hb] = vf{} + ag[g];
-      cv[hb] = vf{} + cg[g];
+      av[hb] = vf{} + ag[bg.g[hb]];
+      cv[hb] = vf{} + cg[bg.g[hb]];
     }
     return;
   }
-  const vf agv = loadf(ag), cgv = loadf(cg);
-  for (int hb = 0; hb < L::UB; ++hb) {  // one lane permutation (vpermps) per block
-    vi idx;
-    std::memcpy(&idx, gsel + hb * 16, sizeof(idx));
-    av[hb] = __builtin_shuffle(agv, idx);
-    cv[hb] = __builtin_shuffle(cgv, idx);
+  if (DT / group <= VW) {  // every group index fits one vector: one lane permutation (vpermps) per block
+    const vf agv = loadf(ag), cgv = loadf(cg);
+    for (int hb = 0; hb < L::UB; ++hb) {
+      vi idx;
+      std::memcpy(&idx, gsel + hb * VW, sizeof(idx));
+      av[hb] = __builtin_shuffle(agv, idx);
+      cv[hb] = __builtin_shuffle(cgv, idx);
+    }
+    return;
   }
+  for (int hb = 0; hb < L::UB; ++hb)  // more groups than lanes (AVX2, small groups): gathered lane by lane
+    for (int l = 0; l < VW; ++l) {
+      av[hb][l] = ag[gsel[hb * VW + l]];
+      cv[hb][l] = cg[gsel[hb * VW + l]];
+    }
 }
 
 // Scores of RB query rows (q in field-major order, already scaled) against tokens [t0, t0+n) of a segment.
 // A, C: per-token layouts' (a, c) from token_params.  Each token's RB partial-sum vectors are parked in buf and
-// reduced 16 tokens at a time.
+// reduced VW tokens at a time.
 template <int DT, int BITS, int KIND, int RB>
 void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, float* s, int64_t s_stride,
                  const int* gsel, const float* A, const float* C) {
   using L = Layout<DT, BITS>;
   vf qv[RB][L::NV];
   for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < L::NV; ++i) qv[r][i] = loadf(q + r * DT + 16 * i);
+    for (int i = 0; i < L::NV; ++i) qv[r][i] = loadf(q + r * DT + VW * i);
   vf cst[RB];  // per-channel keys: q . zero of the current group
   vf qa[RB][L::NV];
-  vf buf[RB][16];
+  vf buf[RB][VW];
   const int NG = KIND == INT_TOKEN ? DT / sd.f.group : 0;
+  const BlockGroups<DT, BITS> bg(KIND == INT_TOKEN ? sd.f.group : 0);
   int chan[DT];  // field-major order (see field_perm): position k*U + u holds channel u*per + k
   for (int k = 0; k < L::per; ++k)
     for (int u = 0; u < L::U; ++u) chan[k * L::U + u] = u * L::per + k;
-  int64_t cur = -1;
+  int64_t next = -1;  // first token of the next per-channel group
   for (int t = 0; t < n; ++t) {
     vf acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = vf{};
@@ -582,48 +675,52 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     if constexpr (BITS == 32) {
       const float* x = reinterpret_cast<const float*>(row);
       for (int i = 0; i < L::NV; ++i) {
-        const vf kv = loadf(x + 16 * i);
+        const vf kv = loadf(x + VW * i);
         for (int r = 0; r < RB; ++r) acc[r] += qv[r][i] * kv;
       }
     } else if constexpr (KIND == INT_CHANNEL) {
-      const int64_t grow = (t0 + t) / sd.f.group;
-      if (grow != cur) {  // fold this token group's (scale, zero) into the query
-        cur = grow;
+      if (t0 + t >= next) {  // fold this token group's (scale, zero) into the query (no division per token)
+        const int64_t grow = (t0 + t) / sd.f.group;
+        next = (grow + 1) * sd.f.group;
         float a[DT], c[DT];
         channel_params(sd, b, h, grow, chan, DT, a, c);
         for (int r = 0; r < RB; ++r) {
           vf z = vf{};
           for (int i = 0; i < L::NV; ++i) {
-            qa[r][i] = qv[r][i] * loadf(a + 16 * i);
-            z += qv[r][i] * loadf(c + 16 * i);
+            qa[r][i] = qv[r][i] * loadf(a + VW * i);
+            z += qv[r][i] * loadf(c + VW * i);
           }
           cst[r] = z;
         }
       }
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
-      for (int hb = 0; hb < L::UB; ++hb)
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
         for (int k = 0; k < L::per; ++k) {
-          const vf raw = field<BITS>(x + 16 * hb, k);
+          const vf raw = field<BITS>(bytes, k);
           for (int r = 0; r < RB; ++r) acc[r] += qa[r][k * L::UB + hb] * raw;
         }
+      }
       for (int r = 0; r < RB; ++r) acc[r] += cst[r];
     } else {  // INT_TOKEN
       vf av[L::UB], cv[L::UB];
-      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, av, cv);
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, bg, av, cv);
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
-      for (int hb = 0; hb < L::UB; ++hb)
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
         for (int k = 0; k < L::per; ++k) {
-          const vf val = field<BITS>(x + 16 * hb, k) * av[hb] + cv[hb];
+          const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
           for (int r = 0; r < RB; ++r) acc[r] += qv[r][k * L::UB + hb] * val;
         }
+      }
     }
-    const int l = t & 15;
+    const int l = t & (VW - 1);
     for (int r = 0; r < RB; ++r) buf[r][l] = acc[r];
-    if (l == 15 || t == n - 1) {
+    if (l == VW - 1 || t == n - 1) {
       for (int r = 0; r < RB; ++r) {
-        for (int j = l + 1; j < 16; ++j) buf[r][j] = vf{};
-        float red[16];
-        storef(red, reduce16(buf[r]));
+        for (int j = l + 1; j < VW; ++j) buf[r][j] = vf{};
+        float red[VW];
+        storef(red, reduce_lanes(buf[r]));
         std::memcpy(s + r * s_stride + (t - l), red, sizeof(float) * (l + 1));
       }
     }
@@ -637,8 +734,9 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
   using L = Layout<DT, BITS>;
   vf a[RB][L::NV];
   for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + 16 * i);
+    for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + VW * i);
   const int NG = BITS == 32 ? 0 : DT / sd.f.group;
+  const BlockGroups<DT, BITS> bg(BITS == 32 ? 0 : sd.f.group);
   for (int t = 0; t < n; ++t) {
     float pr[RB];
     bool any = false;
@@ -652,22 +750,24 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     if constexpr (BITS == 32) {
       const float* x = reinterpret_cast<const float*>(row);
       for (int i = 0; i < L::NV; ++i) {
-        const vf v = loadf(x + 16 * i);
+        const vf v = loadf(x + VW * i);
         for (int r = 0; r < RB; ++r) a[r][i] += pr[r] * v;
       }
     } else {  // INT_TOKEN values
       vf av[L::UB], cv[L::UB];
-      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, av, cv);
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, bg, av, cv);
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
-      for (int hb = 0; hb < L::UB; ++hb)
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
         for (int k = 0; k < L::per; ++k) {
-          const vf val = field<BITS>(x + 16 * hb, k) * av[hb] + cv[hb];
+          const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
           for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
         }
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < L::NV; ++i) storef(acc + r * acc_stride + 16 * i, a[r][i]);
+    for (int i = 0; i < L::NV; ++i) storef(acc + r * acc_stride + VW * i, a[r][i]);
 }
 
 // Which fast variant serves a side: its BITS (32 = fp32), or 0 when only the generic path can.
@@ -678,7 +778,7 @@ int fast_bits(const Side& sd, bool is_key) {
   if (f.kind == FP8 || f.kind == CODEBOOK) return 0;
   if (f.bits != 2 && f.bits != 4 && f.bits != 8) return 0;
   const int per = f.bits == 8 ? 1 : 8 / f.bits;
-  if ((DT / per) % 16) return 0;
+  if ((DT / per) % VW) return 0;
   if (f.kind == INT_TOKEN && (DT / f.group > 16 || f.group % per)) return 0;
   if (f.kind == INT_CHANNEL && !is_key) return 0;
   return f.bits;
@@ -873,9 +973,9 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
       for (int t = 0; t < n; ++t)
         if (sg.pos + it.t0 + t > qpos) sr[t] = NEG_INF;
     }
-    const float m = max_of(sr, n);
+    const float m = max8(sr, n);
     const float safe = std::isinf(m) && m < 0 ? 0.f : m;
-    const float l = exp_sum(sr, n, safe);
+    const float l = exp_sum8(sr, n, safe);
     float* pr = pw + r * W;
     pr[0] = m;
     pr[1] = l;
@@ -1160,49 +1260,6 @@ void apply_tile_mask(const MultiCtx& cx, int64_t b, int64_t q0, int64_t nq, cons
         if (sg.pos + t0 + t > qpos) sr[t] = NEG_INF;
     }
   }
-}
-
-// exp_sum and max_of above with AVX2 intrinsics (same formula and error bound): the plain loops compiled to scalar
-// code in run_tile (and GCC's 16-lane vector types to spills), where they were then a third of the tile's time.
-inline float exp_sum8(float* __restrict x, int n, float m) {
-  int i = 0;
-  float total = 0.f;
-#if defined(__AVX2__) && defined(__FMA__)
-  const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.f), log2e = _mm256_set1_ps(1.44269504088896341f),
-               ln2 = _mm256_set1_ps(0.693147180559945309f);
-  const float cs[8] = {0.000198412698f, 0.00138888889f, 0.00833333333f, 0.0416666667f, 0.166666667f, 0.5f, 1.f, 1.f};
-  __m256 tot = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(x + i), mv);
-    const __m256 y = _mm256_mul_ps(_mm256_max_ps(d, lo), log2e);
-    const __m256 r = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_mul_ps(_mm256_sub_ps(y, r), ln2);
-    __m256 p = _mm256_set1_ps(cs[0]);
-    for (int c = 1; c < 8; ++c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(cs[c]));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
-    p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-    p = _mm256_and_ps(p, _mm256_cmp_ps(d, lo, _CMP_GE_OQ));  // below exp(-87), masked (-inf) included: 0
-    _mm256_storeu_ps(x + i, p);
-    tot = _mm256_add_ps(tot, p);
-  }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, tot);
-  for (int l = 0; l < 8; ++l) total += lanes[l];
-#endif
-  return i < n ? total + exp_sum(x + i, n - i, m) : total;
-}
-
-inline float max8(const float* x, int n) {
-  int i = 0;
-  float best = NEG_INF;
-#if defined(__AVX2__)
-  __m256 v = _mm256_set1_ps(NEG_INF);
-  for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(x + i));
-  float lanes[8];
-  _mm256_storeu_ps(lanes, v);
-  for (int l = 0; l < 8; ++l) best = std::max(best, lanes[l]);
-#endif
-  return i < n ? std::max(best, max_of(x + i, n - i)) : best;
 }
 
 }  // namespace
