@@ -29,12 +29,14 @@ namespace {
 
 constexpr int TILE = 32;
 constexpr int PREFETCH_BYTES = 1024;  // tokens decoded at a time
+constexpr int PAD_FLOATS = 16;  // after tile buffers: vector stores may run past a row (unpack_lut_avx2)
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3, CODEBOOK = 4 };
 
 struct Part {  // a [B, H, rows, X] tensor, last dim contiguous; strides in bytes
   const char* ptr = nullptr;
+  const char* end = nullptr;  // one past the last byte of its storage: how far a wide load may read
   int64_t sb = 0, sh = 0, sr = 0;
   at::ScalarType dt = at::kFloat;
   const char* row(int64_t b, int64_t h, int64_t r) const { return ptr + b * sb + h * sh + r * sr; }
@@ -46,6 +48,7 @@ Part make_part(const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "packed parts must be [B,H,rows,X] with a contiguous last dim");
   const int64_t e = t.element_size();
   p.ptr = static_cast<const char*>(t.data_ptr());
+  p.end = static_cast<const char*>(t.storage().data()) + t.storage().nbytes();
   p.sb = t.size(0) == 1 ? 0 : t.stride(0) * e;  // size-1 batch broadcasts (fp8 per-tensor fixed scales)
   p.sh = t.size(1) == 1 ? 0 : t.stride(1) * e;
   p.sr = t.stride(2) * e;
@@ -323,13 +326,73 @@ inline void unpack_lut(const uint8_t* __restrict src, float* __restrict dst, int
   }
 }
 
-inline void unpack_run(int bits, const uint8_t* src, float* dst, int n, const float* lut) {
+#if defined(__AVX2__)
+// unpack_lut with the level table in registers: eight units' words side by side, each field through one vpermps
+// (two and a blend for 16 levels) instead of a scalar table load per code, which was most of a rotated decode step.
+// Fields are written eight units at a time in field order, so a run whose unit count is not a multiple of eight
+// writes up to seven values past each field's end: into the next field (written after it), past the run into the
+// next run or row (written after it too), or into the padding callers keep after their tile buffers (PAD_FLOATS).
+// end: one past the last readable byte (Part::end); 3-bit words are read 32 bytes at a time where that many are.
+template <int BITS>
+inline void unpack_lut_avx2(const uint8_t* __restrict src, float* __restrict dst, int n, const float* __restrict lut,
+                            const char* end) {
+  constexpr int per = BITS == 3 ? 8 : 8 / BITS, mask = (1 << BITS) - 1;
+  const int U = n / per;
+  const __m256 lo = _mm256_loadu_ps(lut);
+  const __m256 hi = BITS == 4 ? _mm256_loadu_ps(lut + 8) : lo;
+  const int NC = (U + 7) / 8;
+  __m256i words[64];  // the run's units, eight per vector (U <= 256: head_dim <= 512)
+  for (int c = 0; c < NC; ++c) {
+    const int u0 = 8 * c, nu = std::min(8, U - u0);
+    const uint8_t* at = src + (BITS == 3 ? 3 * u0 : u0);
+    if (BITS != 3 && nu == 8) {
+      words[c] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
+    } else if (BITS == 3 && reinterpret_cast<const char*>(at) + 28 <= end) {
+      // units 0-3 from bytes 0-11 and units 4-7 from bytes 12-23, one 128-bit lane each: one byte shuffle makes
+      // each unit's 3 bytes a 32-bit word (bytes past the run only feed lanes that are overwritten later)
+      const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(at + 12),
+                                              reinterpret_cast<const __m128i*>(at));
+      const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
+                                              0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+      words[c] = _mm256_shuffle_epi8(raw, spread);
+    } else {  // built in registers: eight scalar stores read back as one vector stalled on store forwarding
+      auto word = [&](int l) -> int32_t {
+        if (l >= nu) return 0;
+        const uint8_t* b = at + (BITS == 3 ? 3 * l : l);
+        return BITS == 3 ? int32_t(b[0]) | (int32_t(b[1]) << 8) | (int32_t(b[2]) << 16) : b[0];
+      };
+      words[c] = _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7));
+    }
+  }
+  for (int k = 0; k < per; ++k)  // field by field: a partial vector's extra lanes land where later stores go
+    for (int c = 0; c < NC; ++c) {
+      const __m256i idx = _mm256_and_si256(_mm256_srli_epi32(words[c], k * BITS), _mm256_set1_epi32(mask));
+      __m256 v = _mm256_permutevar8x32_ps(lo, idx);
+      if constexpr (BITS == 4)  // bit 3 of the code picks the upper half of the table
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(hi, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+      _mm256_storeu_ps(dst + k * U + 8 * c, v);
+    }
+}
+#endif
+
+__attribute__((always_inline)) inline void unpack_run(int bits, const uint8_t* src, float* dst, int n,
+                                                      const float* lut, const char* end) {
+#if defined(__AVX2__)
+  switch (bits) {
+    case 1: unpack_lut_avx2<1>(src, dst, n, lut, end); break;
+    case 2: unpack_lut_avx2<2>(src, dst, n, lut, end); break;
+    case 3: unpack_lut_avx2<3>(src, dst, n, lut, end); break;
+    default: unpack_lut_avx2<4>(src, dst, n, lut, end); break;
+  }
+#else
+  (void)end;
   switch (bits) {
     case 1: unpack_lut<1>(src, dst, n, lut); break;
     case 2: unpack_lut<2>(src, dst, n, lut); break;
     case 3: unpack_lut<3>(src, dst, n, lut); break;
     default: unpack_lut<4>(src, dst, n, lut); break;
   }
+#endif
 }
 
 inline const float* table_row(const Side& sd, int r) { return reinterpret_cast<const float*>(sd.zero.row(0, 0, r)); }
@@ -344,20 +407,22 @@ inline void codebook_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int 
   const float* lut_lo = table_row(sd, D + 1);
   const int hi_bytes = nh * f.bits / 8;
   float mean[512];
-  int64_t cur = -1;
+  int64_t cur = -1, next = -1;
+  const char* grow = nullptr;
   for (int t = 0; t < n; ++t) {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + t));
     float* o = out + t * D;
-    if (nh) unpack_run(f.bits, src, o, nh, lut_hi);
-    if (nl) unpack_run(bl, src + hi_bytes, o + nh, nl, lut_lo);
+    if (nh) unpack_run(f.bits, src, o, nh, lut_hi, sd.x.end);
+    if (nl) unpack_run(bl, src + hi_bytes, o + nh, nl, lut_lo, sd.x.end);
     if (G) {  // centred: the group's row holds its mean, then one scale per token
       const int64_t tok = t0 + t;
-      const char* row = sd.scale.row(b, h, tok / G);
-      if (tok / G != cur) {
+      if (tok >= next) {  // a new group (no division per token)
         cur = tok / G;
-        for (int j = 0; j < D; ++j) mean[j] = ld(sd.scale.dt, row, chan[j]);
+        next = (cur + 1) * G;
+        grow = sd.scale.row(b, h, cur);
+        for (int j = 0; j < D; ++j) mean[j] = ld(sd.scale.dt, grow, chan[j]);
       }
-      const float scale = ld(sd.scale.dt, row, D + tok % G);
+      const float scale = ld(sd.scale.dt, grow, D + (tok - cur * G));
 #pragma omp simd
       for (int j = 0; j < D; ++j) o[j] = o[j] * scale + mean[j];
       continue;
@@ -893,7 +958,7 @@ struct Ctx {
 struct Scratch {
   std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp, pa, pc;
   Scratch(int D, int64_t R, int64_t chunk)
-      : kbuf(TILE * D), vbuf(TILE * D), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D),
+      : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D),
         pa(chunk * 16 + 16), pc(chunk * 16 + 16) {}
 };
 
@@ -1205,7 +1270,7 @@ struct MultiScratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf, tmp, rot;
   MultiScratch(const MultiCtx& cx)
       : q(cx.NF * cx.rep * cx.QT * cx.D), acc(cx.NF * cx.rep * cx.QT * cx.D), s(cx.rep * cx.QT * cx.KT),
-        m(cx.rep * cx.QT), l(cx.rep * cx.QT), kbuf(cx.KT * cx.D), vbuf(cx.KT * cx.D), tmp(4 * cx.D), rot(cx.D) {}
+        m(cx.rep * cx.QT), l(cx.rep * cx.QT), kbuf(cx.KT * cx.D + PAD_FLOATS), vbuf(cx.KT * cx.D + PAD_FLOATS), tmp(4 * cx.D), rot(cx.D) {}
 };
 
 enum TileState { VISIBLE = 0, HIDDEN = 1, MIXED = 2 };
