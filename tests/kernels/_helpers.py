@@ -45,6 +45,16 @@ def query_for(layer: LayerKV, q_heads: int, new: int, seed: int = 1) -> torch.Te
     return torch.randn(b, q_heads, new, d, generator=g).to(layer.store.device, layer.dtype)
 
 
+def assert_half_precision_matches(attend: Callable, spec: str, dtype: torch.dtype, new: int) -> None:
+    """A model in fp16/bf16: ``attend`` returns its dtype and stays within 2e-2 of the reference."""
+    layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=new, dtype=dtype)
+    q = query_for(layer, 4, new)
+    ref = reference.attend(q, layer.plan(), None, 0.125)
+    got = attend(q, layer.plan(), None, 0.125)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
 def padding_mask(layer: LayerKV, new: int, pads: list[int]) -> torch.Tensor:
     """Bool mask [B, 1, new, kv_len]: sequence i ignores its first pads[i] columns; new tokens causal."""
     kv_len, _ = layer.n_total - layer.first_visible + new, layer.first_visible

@@ -13,7 +13,13 @@ import torch
 from kvsqueeze.adapter import QuantizedCache, resolve_backend
 from kvsqueeze.kernels import cpu, reference
 
-from ._helpers import assert_matches_reference, filled_layer, padding_mask, query_for
+from ._helpers import (
+    assert_half_precision_matches,
+    assert_matches_reference,
+    filled_layer,
+    padding_mask,
+    query_for,
+)
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here")
 
@@ -84,12 +90,7 @@ def test_sliding_window_layer_after_eviction(spec):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("spec", ["full", "kivi-4", "fp8-e5m2"])
 def test_half_precision_models(spec, dtype):
-    layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=1, dtype=dtype)
-    q = query_for(layer, 4, 1)
-    ref = reference.attend(q, layer.plan(), None, 0.125)
-    got = cpu.attend(q, layer.plan(), None, 0.125)
-    assert got.dtype == dtype
-    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert_half_precision_matches(cpu.attend, spec, dtype, new=1)
 
 
 def test_long_steps_use_the_multi_query_kernel():  # its own tests: test_cpu_multiquery.py

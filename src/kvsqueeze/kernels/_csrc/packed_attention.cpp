@@ -919,19 +919,43 @@ bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
   }
 }
 
+// An attention mask [B|1, 1, Lq, kv_len] as both entry points read it: boolean (hide where false) or float (a bias
+// added to the scores; other dtypes converted once, into `held`).  has == false: no mask.
+struct MaskView {
+  bool has = false;
+  int64_t mB = 0, mcols = 0, ms0 = 0, ms2 = 0, ms3 = 0;
+  const bool* bp = nullptr;
+  const float* fp = nullptr;
+};
+
+MaskView read_mask(const at::Tensor& mask, at::Tensor& held) {
+  MaskView m;
+  if (!mask.defined() || mask.numel() == 0) return m;
+  const bool is_bool = mask.scalar_type() == at::kBool;
+  held = is_bool ? mask : mask.to(at::kFloat);
+  m.has = true;
+  m.mB = held.size(0);
+  m.mcols = held.size(3);
+  m.ms0 = held.stride(0);
+  m.ms2 = held.stride(2);
+  m.ms3 = held.stride(3);
+  if (is_bool) m.bp = held.data_ptr<bool>();
+  else m.fp = held.data_ptr<float>();
+  return m;
+}
+
 // One query row's scores over n keys from mask column col0 on: a boolean mask hides (-inf), a float mask adds its
-// bias, columns outside the mask are hidden.  Shared by the decode path (Ctx) and the multi-query path (MultiCtx).
-template <class C>
-inline void mask_row(const C& cx, int64_t b, int64_t lq, int64_t col0, int n, float* sr) {
-  const int64_t bb = cx.mB == 1 ? 0 : b;
+// bias, columns outside the mask are hidden.  Shared by the decode path and the multi-query path.
+inline void mask_row(const MaskView& mk, int64_t b, int64_t lq, int64_t col0, int n, float* sr) {
+  const int64_t bb = mk.mB == 1 ? 0 : b;
   for (int t = 0; t < n; ++t) {
     const int64_t col = col0 + t;
-    if (col < 0 || col >= cx.mcols) {
+    if (col < 0 || col >= mk.mcols) {
       sr[t] = NEG_INF;
-    } else if (cx.mbp) {
-      if (!cx.mbp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3]) sr[t] = NEG_INF;
+    } else if (mk.bp) {
+      if (!mk.bp[bb * mk.ms0 + lq * mk.ms2 + col * mk.ms3]) sr[t] = NEG_INF;
     } else {
-      sr[t] += cx.mfp[bb * cx.ms0 + lq * cx.ms2 + col * cx.ms3];
+      sr[t] += mk.fp[bb * mk.ms0 + lq * mk.ms2 + col * mk.ms3];
     }
   }
 }
@@ -947,10 +971,7 @@ struct Ctx {
   const std::vector<int64_t>* seg_fmt;
   const std::vector<Perm>*kperm, *vperm;
   float* part;
-  bool has_mask;
-  int64_t mB, mcols, ms0, ms2, ms3;
-  const bool* mbp;
-  const float* mfp;
+  MaskView mask;
   int64_t kv_offset, query_start;
   float scaling;
 };
@@ -1031,8 +1052,8 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * chunk;
     const int64_t lq = r % Lq;
-    if (cx.has_mask) {
-      mask_row(cx, b, lq, sg.pos + it.t0 - cx.kv_offset, n, sr);
+    if (cx.mask.has) {
+      mask_row(cx.mask, b, lq, sg.pos + it.t0 - cx.kv_offset, n, sr);
     } else if (sg.is_new && Lq > 1) {
       const int64_t qpos = cx.query_start + lq;
       for (int t = 0; t < n; ++t)
@@ -1157,14 +1178,8 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
   const int64_t W = D + 2;
   std::vector<float> part(static_cast<size_t>(B * Hkv * NI * R * W));
   const float* qp = q.data_ptr<float>();
-  const bool has_mask = mask.defined() && mask.numel() > 0;
-  const bool mask_bool = has_mask && mask.scalar_type() == at::kBool;
-  at::Tensor maskf = has_mask && !mask_bool ? mask.to(at::kFloat) : mask;
-  const int64_t mB = has_mask ? maskf.size(0) : 0, mcols = has_mask ? maskf.size(3) : 0;
-  const int64_t ms0 = has_mask ? maskf.stride(0) : 0, ms2 = has_mask ? maskf.stride(2) : 0,
-                ms3 = has_mask ? maskf.stride(3) : 0;
-  const bool* mbp = mask_bool ? maskf.data_ptr<bool>() : nullptr;
-  const float* mfp = has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr;
+  at::Tensor mask_held;
+  const MaskView mk = read_mask(mask, mask_held);
 
   // field-major orders per format (index 0: fp segments, 1: the store); rotated codebook layouts: their table,
   // checked once by read_segments; queries rotated once for the keys
@@ -1185,8 +1200,8 @@ at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, con
       }
   }
 
-  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), has_mask,
-         mB, mcols, ms0, ms2, ms3, mbp, mfp, kv_offset, query_start, static_cast<float>(scaling)};
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), mk,
+         kv_offset, query_start, static_cast<float>(scaling)};
   at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(D, R, chunk);
     for (int64_t w = lo; w < hi; ++w) {
@@ -1257,10 +1272,7 @@ struct MultiCtx {
   const std::vector<int64_t>* seg_fmt;
   const std::vector<Perm>*kperm, *vperm;
   const std::vector<const Side*>*kcb, *vcb;  // per format: a side holding its codebook table, or null
-  bool has_mask;
-  int64_t mB, mcols, ms0, ms2, ms3;
-  const bool* mbp;
-  const float* mfp;
+  MaskView mask;
   int64_t kv_offset, query_start;
   float scaling;
   float* out;
@@ -1277,22 +1289,23 @@ enum TileState { VISIBLE = 0, HIDDEN = 1, MIXED = 2 };
 
 // Whether the keys [t0, t0+nt) of a segment are visible to every query of the tile, to none, or to some.
 TileState tile_state(const MultiCtx& cx, int64_t b, int64_t q0, int64_t nq, const Seg& sg, int64_t t0, int nt) {
-  if (cx.has_mask) {
+  if (cx.mask.has) {
+    const MaskView& mk = cx.mask;
     const int64_t c0 = sg.pos + t0 - cx.kv_offset;
-    const int64_t lo = std::max<int64_t>(c0, 0), hi = std::min<int64_t>(c0 + nt, cx.mcols);
+    const int64_t lo = std::max<int64_t>(c0, 0), hi = std::min<int64_t>(c0 + nt, mk.mcols);
     bool vis = false, hidden = lo > c0 || hi < c0 + nt, bias = false;
-    const int64_t bb = cx.mB == 1 ? 0 : b;
+    const int64_t bb = mk.mB == 1 ? 0 : b;
     for (int64_t j = 0; j < nq; ++j) {
-      const int64_t base = bb * cx.ms0 + (q0 + j) * cx.ms2;
-      if (cx.mbp) {
+      const int64_t base = bb * mk.ms0 + (q0 + j) * mk.ms2;
+      if (mk.bp) {
         for (int64_t c = lo; c < hi; ++c) {
-          const bool x = cx.mbp[base + c * cx.ms3];
+          const bool x = mk.bp[base + c * mk.ms3];
           vis |= x;
           hidden |= !x;
         }
       } else {
         for (int64_t c = lo; c < hi; ++c) {
-          const float x = cx.mfp[base + c * cx.ms3];
+          const float x = mk.fp[base + c * mk.ms3];
           const bool h = std::isinf(x) && x < 0;
           vis |= !h;
           hidden |= h;
@@ -1317,8 +1330,8 @@ void apply_tile_mask(const MultiCtx& cx, int64_t b, int64_t q0, int64_t nq, cons
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * cx.KT;
     const int64_t lq = q0 + r % nq;
-    if (cx.has_mask) {
-      mask_row(cx, b, lq, sg.pos + t0 - cx.kv_offset, nt, sr);
+    if (cx.mask.has) {
+      mask_row(cx.mask, b, lq, sg.pos + t0 - cx.kv_offset, nt, sr);
     } else {
       const int64_t qpos = cx.query_start + lq;
       for (int t = 0; t < nt; ++t)
@@ -1465,16 +1478,11 @@ at::Tensor attend_multi(const at::Tensor& q, const std::vector<at::Tensor>& part
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
   auto out = at::zeros({B, Hq, Lq, D}, q.options());
   if (S == 0 || Lq == 0) return out;
-  const bool has_mask = mask.defined() && mask.numel() > 0;
-  const bool mask_bool = has_mask && mask.scalar_type() == at::kBool;
-  at::Tensor maskf = has_mask && !mask_bool ? mask.to(at::kFloat) : mask;
+  at::Tensor mask_held;
+  const MaskView mk = read_mask(mask, mask_held);
   const int64_t QT = std::min(q_tile, Lq), NT = (Lq + QT - 1) / QT;
   MultiCtx cx{B, Hq, Lq, Hkv, Hq / Hkv, QT, k_tile, NT, static_cast<int64_t>(NF), D, q.data_ptr<float>(), &g.segs,
-              &seg_fmt, &g.kperm, &g.vperm, &g.kcb, &g.vcb, has_mask,
-              has_mask ? maskf.size(0) : 0, has_mask ? maskf.size(3) : 0, has_mask ? maskf.stride(0) : 0,
-              has_mask ? maskf.stride(2) : 0, has_mask ? maskf.stride(3) : 0,
-              mask_bool ? maskf.data_ptr<bool>() : nullptr, has_mask && !mask_bool ? maskf.data_ptr<float>() : nullptr,
-              kv_offset, query_start, static_cast<float>(scaling), out.data_ptr<float>()};
+              &seg_fmt, &g.kperm, &g.vperm, &g.kcb, &g.vcb, mk, kv_offset, query_start, static_cast<float>(scaling), out.data_ptr<float>()};
   at::parallel_for(0, B * Hkv * NT, 1, [&](int64_t lo, int64_t hi) {
     SerialBlas serial;
     MultiScratch sc(cx);
