@@ -125,6 +125,17 @@ def available() -> bool:
     return load_extension() is not None
 
 
+def describe() -> dict:
+    """What serves CPU attention here, for reports and ``kvsqueeze env``: whether the C++ kernel is built (building
+    it on first call), the instruction-set path it uses, and why not when it is not."""
+    ext = load_extension()
+    flags = set(_cpu_flags().split())
+    isa = "avx512-vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2" if "avx2" in flags else "generic"
+    return {"built": ext is not None, "isa": isa if ext is not None else None,
+            "path": f"C++ kernel ({isa})" if ext is not None else "torch reference",
+            "reason": _failed, "build_dir": str(_build_directory(_build_name())) if ext is not None else None}
+
+
 def _kernel_ready(fmt: StorageFormat | None) -> bool:
     return fmt is None or (fmt.plain and fmt.kind in ("fp", "int", "fp8", "rot"))
 
