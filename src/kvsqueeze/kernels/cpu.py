@@ -66,7 +66,8 @@ _LDFLAGS = ["-fopenmp"]
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode() + torch.__version__.encode()
+    sources = b"".join(f.read_bytes() for f in sorted(_SOURCE.parent.glob("*.[ch]*")))
+    digest = hashlib.sha256(sources + _cpu_flags().encode() + torch.__version__.encode()
                             + " ".join(_CFLAGS + _LDFLAGS).encode())
     return f"kvsqueeze_packed_attention_{digest.hexdigest()[:12]}"
 

@@ -1,0 +1,290 @@
+// The decode entry point: flash-decoding over chunks of the packed context.
+#pragma once
+
+namespace {
+
+struct Ctx {
+  int64_t B, Hq, Lq;
+  int D;
+  int64_t Hkv, rep, R, NI, W, chunk;
+  const float* qp;
+  const float* qrot;  // queries rotated by the keys' codebook rotation (q R), or null
+  const std::vector<Seg>* segs;
+  const std::vector<Item>* items;
+  const std::vector<int64_t>* seg_fmt;
+  const std::vector<Perm>*kperm, *vperm;
+  float* part;
+  MaskView mask;
+  int64_t kv_offset, query_start;
+  float scaling;
+};
+
+struct Scratch {
+  std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp, pa, pc;
+  Scratch(int D, int64_t R, int64_t chunk)
+      : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D),
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16) {}
+};
+
+// One (batch, kv head, chunk) work item: partial max, sum and weighted values of every query row.
+template <int DT>
+void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
+  const int D = DT ? DT : cx.D;
+  const int64_t R = cx.R, W = cx.W, Lq = cx.Lq, chunk = cx.chunk;
+  const int64_t bh = w / cx.NI, b = bh / cx.Hkv, h = bh % cx.Hkv;
+  const Item& it = (*cx.items)[w % cx.NI];
+  const Seg& sg = (*cx.segs)[it.seg];
+  const int n = it.n;
+  const Perm& kpm = (*cx.kperm)[(*cx.seg_fmt)[it.seg]];
+  const Perm& vpm = (*cx.vperm)[(*cx.seg_fmt)[it.seg]];
+  float* pw = cx.part + w * R * W;
+  float* qs = sc.qs.data();
+  float* s = sc.s.data();
+  const TokenParams tp{sc.pa.data(), sc.pc.data()};
+  // queries of this kv head, pre-scaled, in the keys' field-major order
+  for (int64_t r = 0; r < R; ++r) {
+    const float* qsrc = sg.k.f.kind == CODEBOOK ? cx.qrot : cx.qp;
+    const float* src = qsrc + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
+    for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
+  }
+  // scores
+  const bool fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
+  if (fast_k) {
+  } else if (sg.k.f.kind == INT_CHANNEL) {
+    // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
+    const Fmt& f = sg.k.f;
+    float* a = sc.tmp.data();
+    float* c = a + D;
+    float* qa = sc.qa.data();
+    int64_t cur = -1;
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+      const int nt = std::min(TILE, n - t0);
+      unpack_rows<DT>(f.bits, sg.k.x, b, h, it.t0 + t0, nt, sc.kbuf.data(), D);
+      for (int t = 0; t < nt; ++t) {
+        const int64_t grow = (it.t0 + t0 + t) / f.group;
+        if (grow != cur) {
+          cur = grow;
+          channel_params(sg.k, b, h, grow, kpm.chan.data(), D, a, c);
+          for (int64_t r = 0; r < R; ++r) {
+            float cs = 0.f;
+#pragma omp simd reduction(+ : cs)
+            for (int i = 0; i < D; ++i) {
+              qa[r * D + i] = qs[r * D + i] * a[i];
+              cs += qs[r * D + i] * c[i];
+            }
+            sc.qc[r] = cs;
+          }
+        }
+        const float* kr = sc.kbuf.data() + t * D;
+        for (int64_t r = 0; r < R; ++r) s[r * chunk + t0 + t] = dot<DT>(qa + r * D, kr, D) + sc.qc[r];
+      }
+    }
+  } else {
+    for (int t0 = 0; t0 < n; t0 += TILE) {
+      const int nt = std::min(TILE, n - t0);
+      int64_t ks;
+      const float* kp = decode_rows<DT>(sg.k, b, h, it.t0 + t0, nt, D, sc.kbuf.data(), ks, sc.tmp.data(), kpm);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = qs + r * D;
+        float* sr = s + r * chunk + t0;
+        for (int t = 0; t < nt; ++t) sr[t] = dot<DT>(qr, kp + t * ks, D);
+      }
+    }
+  }
+  // mask, softmax within the chunk
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * chunk;
+    const int64_t lq = r % Lq;
+    if (cx.mask.has) {
+      mask_row(cx.mask, b, lq, sg.pos + it.t0 - cx.kv_offset, n, sr);
+    } else if (sg.is_new && Lq > 1) {
+      const int64_t qpos = cx.query_start + lq;
+      for (int t = 0; t < n; ++t)
+        if (sg.pos + it.t0 + t > qpos) sr[t] = NEG_INF;
+    }
+    const float m = max8(sr, n);
+    const float safe = std::isinf(m) && m < 0 ? 0.f : m;
+    const float l = exp_sum8(sr, n, safe);
+    float* pr = pw + r * W;
+    pr[0] = m;
+    pr[1] = l;
+    std::fill(pr + 2, pr + W, 0.f);
+  }
+  // weighted values
+  const bool fast_v = DT > 0 && try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp);
+  for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
+    const int nt = std::min(TILE, n - t0);
+    int64_t vs;
+    const float* vp = decode_rows<DT>(sg.v, b, h, it.t0 + t0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
+    for (int64_t r = 0; r < R; ++r) axpy_rows<DT>(pw + r * W + 2, s + r * chunk + t0, vp, vs, nt, D);
+  }
+  // back to natural channel order
+  for (int64_t r = 0; r < R; ++r) {
+    float* acc = pw + r * W + 2;
+    std::copy(acc, acc + D, sc.accp.data());
+    for (int j = 0; j < D; ++j) acc[vpm.chan[j]] = sc.accp[j];
+  }
+}
+
+}  // namespace
+
+
+// q: float32 [B, Hq, Lq, D] contiguous.  Per segment: 6 tensors (k.x, k.scale, k.zero, v.x, v.scale, v.zero;
+// empty where absent), its absolute start, token count, is-new flag and format index (into fmts: 6 ints each,
+// keys then values).  mask: empty, bool or float [B|1, 1, Lq, kv_len].  Returns float32 [B, Hq, Lq, D].
+// The segment lists both entry points take, unpacked: one Seg per segment, each format's field orders (formats no
+// segment uses get identity orders, never read) and, per format, a rotated-codebook side whose table (rotation +
+// levels) was checked here once.
+struct Segments {
+  std::vector<Seg> segs;
+  std::vector<Perm> kperm, vperm;
+  std::vector<const Side*> kcb, vcb;
+  int64_t Hkv = 0;
+};
+
+Segments read_segments(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
+                       const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
+                       const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, int D) {
+  const size_t S = seg_pos.size(), NF = fmts.size() / 12;
+  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S,
+              "bad segment lists");
+  Segments g;
+  g.segs.resize(S);
+  g.kperm.resize(NF);
+  g.vperm.resize(NF);
+  g.kcb.assign(NF, nullptr);
+  g.vcb.assign(NF, nullptr);
+  for (size_t i = 0; i < S; ++i) {
+    TORCH_CHECK(seg_fmt[i] >= 0 && static_cast<size_t>(seg_fmt[i]) < NF, "bad segment format index");
+    Seg& s = g.segs[i];
+    Side* sides[2] = {&s.k, &s.v};
+    for (int w = 0; w < 2; ++w) {
+      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
+      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+      sides[w]->x = make_part(parts[6 * i + 3 * w]);
+      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
+      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
+      if (sides[w]->f.kind != CODEBOOK) continue;
+      const at::Tensor& tab = parts[6 * i + 3 * w + 2];
+      const Fmt& f = sides[w]->f;
+      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
+                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
+                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
+      TORCH_CHECK(f.bits >= 1 && f.bits <= 4 && cb_bits_lo(f) >= 1 && cb_bits_lo(f) <= 4 && cb_n_hi(f) % 8 == 0 &&
+                  (D - cb_n_hi(f)) % 8 == 0 && cb_group(f) >= 0, "bad codebook format");
+      (w == 0 ? g.kcb : g.vcb)[seg_fmt[i]] = sides[w];
+    }
+    s.pos = seg_pos[i];
+    s.n = seg_n[i];
+    s.is_new = seg_new[i] != 0;
+    g.Hkv = parts[6 * i].size(1);
+    g.kperm[seg_fmt[i]] = field_perm(s.k.f, D);
+    g.vperm[seg_fmt[i]] = field_perm(s.v.f, D);
+  }
+  for (size_t f = 0; f < NF; ++f)
+    if (g.kperm[f].chan.empty()) g.kperm[f] = g.vperm[f] = field_perm(Fmt{}, D);
+  return g;
+}
+
+// the codebook side of any format (a plan stores one format: every stored segment shares its table)
+const Side* any_side(const std::vector<const Side*>& per_format) {
+  const Side* out = nullptr;
+  for (const Side* sd : per_format)
+    if (sd) out = sd;
+  return out;
+}
+
+at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
+                  const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
+                  const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, const at::Tensor& mask,
+                  int64_t kv_offset, int64_t query_start, double scaling, int64_t chunk) {
+  init_luts();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32");
+  const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
+  const int D = static_cast<int>(q.size(3));
+  const size_t S = seg_pos.size();
+  TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
+  const Segments g = read_segments(parts, seg_pos, seg_n, seg_new, seg_fmt, fmts, D);
+  const std::vector<Seg>& segs = g.segs;
+  const int64_t Hkv = g.Hkv;
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
+  const int64_t rep = Hq / Hkv, R = rep * Lq;
+
+  std::vector<Item> items;
+  for (size_t i = 0; i < S; ++i)
+    for (int64_t t0 = 0; t0 < segs[i].n; t0 += chunk)
+      items.push_back({int64_t(i), t0, int(std::min<int64_t>(chunk, segs[i].n - t0))});
+  const int64_t NI = static_cast<int64_t>(items.size());
+  auto out = at::zeros({B, Hq, Lq, D}, q.options());
+  if (NI == 0) return out;
+
+  // partials: [B*Hkv, NI, R, D + 2] (m, l, acc)
+  const int64_t W = D + 2;
+  std::vector<float> part(static_cast<size_t>(B * Hkv * NI * R * W));
+  const float* qp = q.data_ptr<float>();
+  at::Tensor mask_held;
+  const MaskView mk = read_mask(mask, mask_held);
+
+  // field-major orders per format (index 0: fp segments, 1: the store); rotated codebook layouts: their table,
+  // checked once by read_segments; queries rotated once for the keys
+  const std::vector<Perm>& kperm = g.kperm;
+  const std::vector<Perm>& vperm = g.vperm;
+  const Side* kcb = any_side(g.kcb);
+  const Side* vcb = any_side(g.vcb);
+  std::vector<float> qrot;
+  if (kcb) {  // q' = q R, one D x D product per query row
+    qrot.assign(static_cast<size_t>(B * Hq * Lq * D), 0.f);
+    for (int64_t r = 0; r < B * Hq * Lq; ++r)
+      for (int i = 0; i < D; ++i) {
+        const float qi = qp[r * D + i];
+        const float* Ri = table_row(*kcb, i);
+        float* o = qrot.data() + r * D;
+#pragma omp simd
+        for (int j = 0; j < D; ++j) o[j] += qi * Ri[j];
+      }
+  }
+
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), mk,
+         kv_offset, query_start, static_cast<float>(scaling)};
+  at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
+    Scratch sc(D, R, chunk);
+    for (int64_t w = lo; w < hi; ++w) {
+      if (D == 64) run_item<64>(cx, w, sc);
+      else if (D == 128) run_item<128>(cx, w, sc);
+      else run_item<0>(cx, w, sc);
+    }
+  });
+
+  // exact log-sum-exp merge of the chunk partials
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * R, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t x = lo; x < hi; ++x) {
+      const int64_t bh = x / R, r = x % R, b = bh / Hkv, h = bh % Hkv;
+      float M = NEG_INF;
+      for (int64_t i = 0; i < NI; ++i) M = std::max(M, part[((bh * NI + i) * R + r) * W]);
+      float* o = op + ((b * Hq + h * rep + r / Lq) * Lq + r % Lq) * D;
+      if (std::isinf(M) && M < 0) continue;  // fully masked row -> zeros
+      float L = 0.f;
+      float orot[512];  // rotated codebook values: their partials are merged in the rotated space
+      if (vcb) std::fill(orot, orot + D, 0.f);
+      for (int64_t i = 0; i < NI; ++i) {
+        const float* pr = part.data() + ((bh * NI + i) * R + r) * W;
+        if (pr[1] == 0.f) continue;
+        const float c = std::exp(pr[0] - M);
+        L += c * pr[1];
+        float* dst = segs[items[i].seg].v.f.kind == CODEBOOK ? orot : o;
+        for (int j = 0; j < D; ++j) dst[j] += c * pr[2 + j];
+      }
+      if (vcb)  // o += o' R^T, once per output row
+        for (int j = 0; j < D; ++j) {
+          const float* Rj = table_row(*vcb, j);
+          float acc = 0.f;
+          for (int i = 0; i < D; ++i) acc += orot[i] * Rj[i];
+          o[j] += acc;
+        }
+      const float inv = 1.f / std::max(L, 1e-30f);
+      for (int j = 0; j < D; ++j) o[j] *= inv;
+    }
+  });
+  return out;
+}

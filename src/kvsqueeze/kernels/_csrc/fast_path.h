@@ -1,0 +1,344 @@
+// The SIMD fast path of the decode kernel over the layouts the presets use.
+#pragma once
+
+namespace {
+
+struct Item {
+  int64_t seg, t0;
+  int n;
+};
+
+// ------------------------------------------------------------------------------------------------ SIMD fast path
+// GCC vector extensions of the machine's native width (VW lanes: 16 with AVX-512, else 8: one AVX2 ymm; 16-lane
+// types on AVX2 were split into xmm pieces spilled through the stack and made the decode step 3-4x slower) for
+// head_dim 64/128 and the layouts the presets use: fp32, and 2/4/8-bit integer codes whose packing units fill whole
+// vectors.  Codes are unpacked in registers and consumed at once; nothing is written back to memory per token.
+#if defined(__AVX512F__)
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * VW), aligned(4)));
+
+inline vf loadf(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storef(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Lane t of the result = the sum of the VW lanes of x[t]: log2(VW) levels of two-input lane permutations and adds
+// (VW - 1 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.  After level j
+// each vector holds VW >> j partial sums of 2^j inputs side by side.
+inline vf pair_sums(const vf& a, const vf& b, const vi& lo, int shift) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + shift);
+}
+
+inline vf reduce_lanes(const vf* x) {
+#if defined(__AVX512F__)
+  const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  vf y[8], z[4], w[2];
+  for (int i = 0; i < 8; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 8);
+  for (int i = 0; i < 4; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 4);
+  for (int i = 0; i < 2; ++i) w[i] = pair_sums(z[2 * i], z[2 * i + 1], lo3, 2);
+  return pair_sums(w[0], w[1], lo4, 1);
+#else  // vperm2f128, then two in-lane shufps levels
+  const vi lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
+  const vi lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
+  vf y[4], z[2];
+  for (int i = 0; i < 4; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 4);
+  for (int i = 0; i < 2; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 2);
+  return pair_sums(z[0], z[1], lo3, 1);
+#endif
+}
+
+// VW consecutive code bytes widened to int32 lanes (one vpmovzxbd; a plain widening loop compiled to byte loads
+// and lane inserts through the stack at 8 lanes)
+inline vi widen(const uint8_t* __restrict src) {
+  vi x;
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  std::memcpy(&x, &w, sizeof(x));
+#elif defined(__AVX2__)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  std::memcpy(&x, &w, sizeof(x));
+#else
+  for (int l = 0; l < VW; ++l) x[l] = src[l];
+#endif
+  return x;
+}
+
+template <int BITS>
+inline vf field(const vi& bytes, int k) {  // k-th code of each widened byte, as float
+  vi x = bytes;
+  if constexpr (BITS < 8) {
+    if (k) x = x >> (k * BITS);
+    if ((k + 1) * BITS < 8) x = x & ((1 << BITS) - 1);  // the top field of a byte needs no mask
+  }
+  return __builtin_convertvector(x, vf);
+}
+
+// BITS == 32: float32 rows.  Row vector index k*UB + h holds field k of units [VW h, VW h + VW): the field-major
+// order (field_perm) does not depend on VW, so queries and accumulators are the same arrays at either width.
+template <int DT, int BITS>
+struct Layout {
+  static constexpr int per = BITS >= 8 ? 1 : 8 / BITS;
+  static constexpr int U = DT / per;
+  static constexpr int UB = U / VW;
+  static constexpr int NV = DT / VW;
+};
+
+// Per-token group parameters (ag, cg: this token's NG <= 16 groups, padded to 16 floats) spread over the unit
+// blocks: lane l of block h belongs to group gsel[VW h + l] = (VW h + l) * per / G; bg[h]: block h's group when
+// every block lies in one group (G / per >= VW), computed once per call (a division per token and block cost more
+// than the rest of the token's work on AMD's integer divider).
+template <int DT, int BITS>
+struct BlockGroups {
+  int g[Layout<DT, BITS>::UB];
+  explicit BlockGroups(int group) {
+    for (int hb = 0; hb < Layout<DT, BITS>::UB; ++hb) g[hb] = group ? hb * VW * Layout<DT, BITS>::per / group : 0;
+  }
+};
+
+template <int DT, int BITS>
+__attribute__((always_inline)) inline void token_affine(int group, const float* ag, const float* cg, const int* gsel,
+                                                        const BlockGroups<DT, BITS>& bg, vf* av, vf* cv) {
+  using L = Layout<DT, BITS>;
+  if (group / L::per >= VW) {  // every block lies in one group: broadcasts, no permutation
+    for (int hb = 0; hb < L::UB; ++hb) {
+      av[hb] = vf{} + ag[bg.g[hb]];
+      cv[hb] = vf{} + cg[bg.g[hb]];
+    }
+    return;
+  }
+  if (DT / group <= VW) {  // every group index fits one vector: one lane permutation (vpermps) per block
+    const vf agv = loadf(ag), cgv = loadf(cg);
+    for (int hb = 0; hb < L::UB; ++hb) {
+      vi idx;
+      std::memcpy(&idx, gsel + hb * VW, sizeof(idx));
+      av[hb] = __builtin_shuffle(agv, idx);
+      cv[hb] = __builtin_shuffle(cgv, idx);
+    }
+    return;
+  }
+  for (int hb = 0; hb < L::UB; ++hb)  // more groups than lanes (AVX2, small groups): gathered lane by lane
+    for (int l = 0; l < VW; ++l) {
+      av[hb][l] = ag[gsel[hb * VW + l]];
+      cv[hb][l] = cg[gsel[hb * VW + l]];
+    }
+}
+
+// Scores of RB query rows (q in field-major order, already scaled) against tokens [t0, t0+n) of a segment.
+// A, C: per-token layouts' (a, c) from token_params.  Each token's RB partial-sum vectors are parked in buf and
+// reduced VW tokens at a time.
+template <int DT, int BITS, int KIND, int RB>
+void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, float* s, int64_t s_stride,
+                 const int* gsel, const float* A, const float* C) {
+  using L = Layout<DT, BITS>;
+  vf qv[RB][L::NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) qv[r][i] = loadf(q + r * DT + VW * i);
+  vf cst[RB];  // per-channel keys: q . zero of the current group
+  vf qa[RB][L::NV];
+  vf buf[RB][VW];
+  const int NG = KIND == INT_TOKEN ? DT / sd.f.group : 0;
+  const BlockGroups<DT, BITS> bg(KIND == INT_TOKEN ? sd.f.group : 0);
+  int chan[DT];  // field-major order (see field_perm): position k*U + u holds channel u*per + k
+  for (int k = 0; k < L::per; ++k)
+    for (int u = 0; u < L::U; ++u) chan[k * L::U + u] = u * L::per + k;
+  int64_t next = -1;  // first token of the next per-channel group
+  for (int t = 0; t < n; ++t) {
+    vf acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = vf{};
+    const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS != 32) __builtin_prefetch(row + PREFETCH_BYTES);
+    if constexpr (BITS == 32) {
+      const float* x = reinterpret_cast<const float*>(row);
+      for (int i = 0; i < L::NV; ++i) {
+        const vf kv = loadf(x + VW * i);
+        for (int r = 0; r < RB; ++r) acc[r] += qv[r][i] * kv;
+      }
+    } else if constexpr (KIND == INT_CHANNEL) {
+      if (t0 + t >= next) {  // fold this token group's (scale, zero) into the query (no division per token)
+        const int64_t grow = (t0 + t) / sd.f.group;
+        next = (grow + 1) * sd.f.group;
+        float a[DT], c[DT];
+        channel_params(sd, b, h, grow, chan, DT, a, c);
+        for (int r = 0; r < RB; ++r) {
+          vf z = vf{};
+          for (int i = 0; i < L::NV; ++i) {
+            qa[r][i] = qv[r][i] * loadf(a + VW * i);
+            z += qv[r][i] * loadf(c + VW * i);
+          }
+          cst[r] = z;
+        }
+      }
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
+        for (int k = 0; k < L::per; ++k) {
+          const vf raw = field<BITS>(bytes, k);
+          for (int r = 0; r < RB; ++r) acc[r] += qa[r][k * L::UB + hb] * raw;
+        }
+      }
+      for (int r = 0; r < RB; ++r) acc[r] += cst[r];
+    } else {  // INT_TOKEN
+      vf av[L::UB], cv[L::UB];
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, bg, av, cv);
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
+        for (int k = 0; k < L::per; ++k) {
+          const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
+          for (int r = 0; r < RB; ++r) acc[r] += qv[r][k * L::UB + hb] * val;
+        }
+      }
+    }
+    const int l = t & (VW - 1);
+    for (int r = 0; r < RB; ++r) buf[r][l] = acc[r];
+    if (l == VW - 1 || t == n - 1) {
+      for (int r = 0; r < RB; ++r) {
+        for (int j = l + 1; j < VW; ++j) buf[r][j] = vf{};
+        float red[VW];
+        storef(red, reduce_lanes(buf[r]));
+        std::memcpy(s + r * s_stride + (t - l), red, sizeof(float) * (l + 1));
+      }
+    }
+  }
+}
+
+// acc (field-major) += sum_t p[r][t] * value_t for RB rows.
+template <int DT, int BITS, int RB>
+void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                 float* acc, int64_t acc_stride, const int* gsel, const float* A, const float* C) {
+  using L = Layout<DT, BITS>;
+  vf a[RB][L::NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + VW * i);
+  const int NG = BITS == 32 ? 0 : DT / sd.f.group;
+  const BlockGroups<DT, BITS> bg(BITS == 32 ? 0 : sd.f.group);
+  for (int t = 0; t < n; ++t) {
+    float pr[RB];
+    bool any = false;
+    for (int r = 0; r < RB; ++r) {
+      pr[r] = p[r * p_stride + t];
+      any |= pr[r] != 0.f;
+    }
+    if (!any) continue;
+    const char* row = sd.x.row(b, h, t0 + t);
+    if constexpr (BITS != 32) __builtin_prefetch(row + PREFETCH_BYTES);
+    if constexpr (BITS == 32) {
+      const float* x = reinterpret_cast<const float*>(row);
+      for (int i = 0; i < L::NV; ++i) {
+        const vf v = loadf(x + VW * i);
+        for (int r = 0; r < RB; ++r) a[r][i] += pr[r] * v;
+      }
+    } else {  // INT_TOKEN values
+      vf av[L::UB], cv[L::UB];
+      token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, bg, av, cv);
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
+        for (int k = 0; k < L::per; ++k) {
+          const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
+          for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < L::NV; ++i) storef(acc + r * acc_stride + VW * i, a[r][i]);
+}
+
+// Which fast variant serves a side: its BITS (32 = fp32), or 0 when only the generic path can.
+template <int DT>
+int fast_bits(const Side& sd, bool is_key) {
+  const Fmt& f = sd.f;
+  if (f.kind == FP) return sd.x.dt == at::kFloat ? 32 : 0;
+  if (f.kind == FP8 || f.kind == CODEBOOK) return 0;
+  if (f.bits != 2 && f.bits != 4 && f.bits != 8) return 0;
+  const int per = f.bits == 8 ? 1 : 8 / f.bits;
+  if ((DT / per) % VW) return 0;
+  if (f.kind == INT_TOKEN && (DT / f.group > 16 || f.group % per)) return 0;
+  if (f.kind == INT_CHANNEL && !is_key) return 0;
+  return f.bits;
+}
+
+// Scratch for per-token parameters: (a, c) of every group of every token of a work item, padded for 16-wide reads.
+struct TokenParams {
+  float* A;
+  float* C;
+};
+
+template <int DT, int BITS, int KIND>
+void scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
+                 int64_t s_stride, const int* gsel, TokenParams tp) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rb = std::min<int64_t>(4, R - r0);
+    const float* qr = q + r0 * DT;
+    float* sr = s + r0 * s_stride;
+    switch (rb) {
+      case 1: fast_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      case 2: fast_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      case 3: fast_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+      default: fast_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
+    }
+  }
+}
+
+template <int DT>
+bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* q, int64_t R, float* s,
+                     int64_t s_stride, const int* gsel, TokenParams tp) {
+  const int bits = fast_bits<DT>(sd, true);
+  const bool ch = sd.f.kind == INT_CHANNEL;
+  if (bits && bits != 32 && !ch) token_params(sd, b, h, t0, n, DT / sd.f.group, tp.A, tp.C);
+  switch (bits) {
+    case 32: scores_rows<DT, 32, FP>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 2: ch ? scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 4: ch ? scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    case 8: ch ? scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp)
+               : scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, q, R, s, s_stride, gsel, tp); return true;
+    default: return false;
+  }
+}
+
+template <int DT, int BITS>
+void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                 int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rb = std::min<int64_t>(4, R - r0);
+    const float* pr = p + r0 * p_stride;
+    float* ar = acc + r0 * acc_stride;
+    switch (rb) {
+      case 1: fast_values<DT, BITS, 1>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 2: fast_values<DT, BITS, 2>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 3: fast_values<DT, BITS, 3>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      default: fast_values<DT, BITS, 4>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+    }
+  }
+}
+
+template <int DT>
+bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                     int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
+  const int bits = fast_bits<DT>(sd, false);
+  if (bits && bits != 32) token_params(sd, b, h, t0, n, DT / sd.f.group, tp.A, tp.C);
+  switch (bits) {
+    case 32: values_rows<DT, 32>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 2: values_rows<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 4: values_rows<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 8: values_rows<DT, 8>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    default: return false;
+  }
+}
+
+// An attention mask [B|1, 1, Lq, kv_len] as both entry points read it: boolean (hide where false) or float (a bias
+
+}  // namespace

@@ -1,0 +1,249 @@
+// Storage formats as the kernel reads them: tensor views (Part), format descriptors (Fmt), segments, field-major
+// channel orders, parameter loading, and dequantization of rows into float tiles (the generic path).
+#pragma once
+
+namespace {
+
+constexpr int TILE = 32;
+constexpr int PREFETCH_BYTES = 1024;  // tokens decoded at a time
+constexpr int PAD_FLOATS = 16;  // after tile buffers: vector stores may run past a row (unpack_lut_avx2)
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+enum Kind { FP = 0, INT_TOKEN = 1, INT_CHANNEL = 2, FP8 = 3, CODEBOOK = 4 };
+
+struct Part {  // a [B, H, rows, X] tensor, last dim contiguous; strides in bytes
+  const char* ptr = nullptr;
+  const char* end = nullptr;  // one past the last byte of its storage: how far a wide load may read
+  int64_t sb = 0, sh = 0, sr = 0;
+  at::ScalarType dt = at::kFloat;
+  const char* row(int64_t b, int64_t h, int64_t r) const { return ptr + b * sb + h * sh + r * sr; }
+};
+
+Part make_part(const at::Tensor& t) {
+  Part p;
+  if (!t.defined() || t.numel() == 0) return p;
+  TORCH_CHECK(t.dim() == 4 && t.stride(3) == 1, "packed parts must be [B,H,rows,X] with a contiguous last dim");
+  const int64_t e = t.element_size();
+  p.ptr = static_cast<const char*>(t.data_ptr());
+  p.end = static_cast<const char*>(t.storage().data()) + t.storage().nbytes();
+  p.sb = t.size(0) == 1 ? 0 : t.stride(0) * e;  // size-1 batch broadcasts (fp8 per-tensor fixed scales)
+  p.sh = t.size(1) == 1 ? 0 : t.stride(1) * e;
+  p.sr = t.stride(2) * e;
+  p.dt = t.scalar_type();
+  return p;
+}
+
+__attribute__((always_inline)) inline float ld(at::ScalarType dt, const char* p, int64_t i) {
+  switch (dt) {
+    case at::kFloat: return reinterpret_cast<const float*>(p)[i];
+    case at::kHalf: return static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]);
+    case at::kBFloat16: return static_cast<float>(reinterpret_cast<const c10::BFloat16*>(p)[i]);
+    case at::kFloat8_e4m3fn: return static_cast<float>(reinterpret_cast<const c10::Float8_e4m3fn*>(p)[i]);
+    default: TORCH_CHECK(false, "unsupported parameter dtype");
+  }
+  return 0.f;
+}
+
+struct Fmt {
+  int kind = FP, bits = 8, group = 1, sym = 0, fp8 = 0, fixed = 0;
+};
+// CODEBOOK reuses the six ints: bits = high width, group = coordinates at the high width (first), sym = low
+// width.  Its parts: x = packed codes (high run, then low run), scale = norm per token, zero = the format's
+// table [1, 1, D + 2, W]: rows 0..D-1 the rotation R (y = x R), row D the high codebook, row D+1 the low one.
+// Centred layouts (fp8 = G > 0): scale holds one row per G tokens, the group's mean in the rotated space (D
+// values) then its G tokens' scales, and a row decodes to mean + scale * cb[code].
+inline int cb_n_hi(const Fmt& f) { return f.group; }
+inline int cb_group(const Fmt& f) { return f.fp8; }
+inline int cb_bits_lo(const Fmt& f) { return f.sym; }
+inline int run_per(int bits) { return bits == 3 ? 8 : 8 / bits; }  // codes per packing unit
+
+struct Side {  // how one of keys/values of a segment is stored
+  Fmt f;
+  Part x, scale, zero;  // FP: x = values; INT/FP8: x = codes
+};
+
+struct Seg {
+  Side k, v;
+  int64_t pos = 0, n = 0;  // absolute position of the first token, token count
+  bool is_new = false;
+};
+
+float LUT_E4M3[256], LUT_E5M2[256];
+
+void init_luts() {
+  static bool done = false;
+  if (done) return;
+  for (int i = 0; i < 256; ++i) {
+    LUT_E4M3[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    LUT_E5M2[i] = static_cast<float>(c10::Float8_e5m2(static_cast<uint8_t>(i), c10::Float8_e5m2::from_bits()));
+  }
+  done = true;
+}
+
+// Codes of one token row, unpacked as float but not yet scaled.  Packed widths come out "field-major": the k-th
+// code of every packing unit first (position k*U + u holds channel u*per + k), which turns unpacking into
+// constant shifts over contiguous bytes that the compiler vectorises; queries and outputs are permuted to match.
+// DT is head_dim when known at compile time (64, 128), else 0 and Drt is used.
+template <int BITS, int DT>
+inline void unpack_fm(const uint8_t* __restrict src, float* __restrict dst, int Drt) {
+  const int D = DT ? DT : Drt;
+  if constexpr (BITS == 1 || BITS == 2 || BITS == 4) {
+    constexpr int per = 8 / BITS;
+    constexpr int mask = (1 << BITS) - 1;
+    const int U = D / per;
+    for (int k = 0; k < per; ++k) {
+      float* o = dst + k * U;
+#pragma omp simd
+      for (int u = 0; u < U; ++u) o[u] = static_cast<float>((src[u] >> (k * BITS)) & mask);
+    }
+  } else if constexpr (BITS == 3) {
+    const int U = D / 8;
+    uint32_t w[64];
+    for (int u = 0; u < U; ++u)
+      w[u] = uint32_t(src[3 * u]) | (uint32_t(src[3 * u + 1]) << 8) | (uint32_t(src[3 * u + 2]) << 16);
+    for (int k = 0; k < 8; ++k) {
+      float* o = dst + k * U;
+#pragma omp simd
+      for (int u = 0; u < U; ++u) o[u] = static_cast<float>((w[u] >> (3 * k)) & 7u);
+    }
+  } else {
+#pragma omp simd
+    for (int j = 0; j < D; ++j) dst[j] = static_cast<float>(src[j]);
+  }
+}
+
+template <int DT>
+inline void unpack_rows(int bits, const Part& x, int64_t b, int64_t h, int64_t t0, int n, float* out, int D) {
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(x.row(b, h, t0 + t));
+    float* dst = out + t * D;
+    switch (bits) {
+      case 1: unpack_fm<1, DT>(src, dst, D); break;
+      case 2: unpack_fm<2, DT>(src, dst, D); break;
+      case 3: unpack_fm<3, DT>(src, dst, D); break;
+      case 4: unpack_fm<4, DT>(src, dst, D); break;
+      default: unpack_fm<8, DT>(src, dst, D); break;  // 5-8 bits: one code per byte
+    }
+  }
+}
+
+inline int codes_per_unit(const Fmt& f) {
+  if (f.kind != INT_TOKEN && f.kind != INT_CHANNEL) return 1;
+  return (f.bits == 1 || f.bits == 2 || f.bits == 4) ? 8 / f.bits : (f.bits == 3 ? 8 : 1);
+}
+
+struct Perm {  // field-major order of one format
+  std::vector<int> chan;   // channel held at each position
+  std::vector<int> group;  // per-token layouts: parameter group of each position
+  std::vector<int> unit_group;  // per-token layouts: parameter group of each packing unit
+};
+
+Perm field_perm(const Fmt& f, int D) {
+  const int per = codes_per_unit(f), U = D / per;
+  Perm p;
+  if (f.kind == CODEBOOK) {  // two runs (high width, then low width), each in its own field-major order
+    p.chan.resize(D);
+    p.group.assign(D, 0);
+    p.unit_group.assign(D, 0);
+    const int runs[2][2] = {{cb_n_hi(f), f.bits}, {D - cb_n_hi(f), cb_bits_lo(f)}};
+    for (int r = 0, off = 0; r < 2; off += runs[r][0], ++r) {
+      if (runs[r][0] == 0) continue;
+      const int rp = run_per(runs[r][1]), RU = runs[r][0] / rp;
+      for (int k = 0; k < rp; ++k)
+        for (int u = 0; u < RU; ++u) p.chan[off + k * RU + u] = off + u * rp + k;
+    }
+    return p;
+  }
+  p.chan.resize(D);
+  p.group.resize(D);
+  for (int k = 0; k < per; ++k)
+    for (int u = 0; u < U; ++u) {
+      p.chan[k * U + u] = u * per + k;
+      p.group[k * U + u] = f.kind == INT_TOKEN ? (u * per + k) / f.group : 0;
+    }
+  p.unit_group.resize(U);
+  for (int u = 0; u < U; ++u) p.unit_group[u] = f.kind == INT_TOKEN ? u * per / f.group : 0;
+  return p;
+}
+
+// n parameters of one stored row as float, the dtype switch hoisted out of the loop
+inline void load_row(at::ScalarType dt, const char* p, int n, float* __restrict out) {
+  switch (dt) {
+    case at::kFloat: std::memcpy(out, p, sizeof(float) * n); return;
+    case at::kHalf: {
+      const c10::Half* x = reinterpret_cast<const c10::Half*>(p);
+      int i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= n; i += 8)  // the scalar conversion was a visible part of the decode step
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+#endif
+      for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+      return;
+    }
+    case at::kBFloat16: {
+      const c10::BFloat16* x = reinterpret_cast<const c10::BFloat16*>(p);
+      for (int i = 0; i < n; ++i) out[i] = static_cast<float>(x[i]);
+      return;
+    }
+    case at::kFloat8_e4m3fn: {
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(p);
+      for (int i = 0; i < n; ++i) out[i] = LUT_E4M3[x[i]];
+      return;
+    }
+    default: TORCH_CHECK(false, "unsupported parameter dtype");
+  }
+}
+
+// (a, c) of n parameter pairs of one row, such that value = code * a + c for every integer layout (asymmetric:
+// scale and zero; symmetric: codes centred on 2^(bits-1), or {-s, +s} at 1 bit); vectorisable
+inline void affine_row(const Side& sd, const char* sr, const char* zr, int n, float* __restrict a,
+                       float* __restrict c) {
+  const Fmt& f = sd.f;
+  load_row(sd.scale.dt, sr, n, a);
+  if (!f.sym) {
+    load_row(sd.zero.dt, zr, n, c);
+  } else {
+    const float m = f.bits == 1 ? -1.f : -static_cast<float>(1 << (f.bits - 1));
+    for (int i = 0; i < n; ++i) c[i] = m * a[i];
+    if (f.bits == 1)
+      for (int i = 0; i < n; ++i) a[i] *= 2.f;
+  }
+}
+
+// Per-token layouts: (a, c) of every group of tokens [t0, t0+n), NG floats per token, converted once per work
+// item so the token loops only load floats.
+inline void token_params(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int NG, float* A, float* C) {
+  const int64_t row_bytes = NG * static_cast<int64_t>(c10::elementSize(sd.scale.dt));
+  if (sd.scale.sr == row_bytes && (sd.f.sym || sd.zero.sr == row_bytes)) {  // rows contiguous: one pass
+    affine_row(sd, sd.scale.row(b, h, t0), sd.f.sym ? nullptr : sd.zero.row(b, h, t0), n * NG, A, C);
+    return;
+  }
+  for (int t = 0; t < n; ++t)
+    affine_row(sd, sd.scale.row(b, h, t0 + t), sd.f.sym ? nullptr : sd.zero.row(b, h, t0 + t), NG, A + t * NG,
+               C + t * NG);
+}
+
+// Per-channel layouts: (a, c) of token-group row ``grow``, gathered into the field-major order ``chan``.
+inline void channel_params(const Side& sd, int64_t b, int64_t h, int64_t grow, const int* chan, int D, float* a,
+                           float* c) {
+  float an[512], cn[512];  // D <= 512 is checked at entry
+  affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), D, an, cn);
+  for (int i = 0; i < D; ++i) {
+    a[i] = an[chan[i]];
+    c[i] = cn[chan[i]];
+  }
+}
+
+// Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled
+template <int RUN>
+inline void dequant_runs(float* __restrict o, const float* ag, const float* cg, int per, int NG, int U) {
+  for (int k = 0; k < per; ++k)
+    for (int g = 0; g < NG; ++g) {
+      float* oo = o + k * U + g * RUN;
+      const float a = ag[g], c = cg[g];
+#pragma omp simd
+      for (int j = 0; j < RUN; ++j) oo[j] = oo[j] * a + c;
+    }
+}
+
+}  // namespace
