@@ -8,7 +8,24 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+
+from kvsqueeze.kernels import cpu
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=cpu.ISAS)
+def cpu_isa(request):
+    """Run a C++ kernel test on every instruction-set path this CPU can run (each its own build); the others skip."""
+    isa = request.param
+    if isa not in cpu.runnable_isas():
+        pytest.skip(f"this CPU cannot run the C++ kernel's {isa} path")
+    if request.node.get_closest_marker("default_isa") and isa != cpu.runnable_isas()[0]:
+        pytest.skip("a model-level test: run on the default instruction-set path only")
+    with cpu.use_isa(isa):
+        if cpu.load_extension() is None:
+            pytest.skip(f"C++ kernel ({isa}) could not be built here")
+        yield isa

@@ -22,7 +22,8 @@ from ._helpers import (
     query_for,
 )
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here")
+pytestmark = [pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 SPECS = [
     "full", "int8", "int4", "int2", "kivi-4", "kivi-3", "kivi-2", "kivi-2-sink4", "fp8-e4m3", "fp8-e5m2",
@@ -175,6 +176,7 @@ def test_chunked_prefill_matches_reference_mixed_sliding_batch(tiny_mixed_slidin
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.default_isa
 def test_chunked_prefill_matches_reference_embedded(embedded):
     """The real model, 700 tokens in chunks of 256.  Unquantized storage: logits agree to float32 noise (measured
     max 5e-5).  kivi-2: a 1e-6 difference in one layer's output moves a few of the next layers' inputs across a

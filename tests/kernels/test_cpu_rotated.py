@@ -10,7 +10,8 @@ from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import assert_matches_reference, filled_layer, padding_mask, query_for
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here")
+pytestmark = [pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here"),
+              pytest.mark.usefixtures("cpu_isa")]
 
 SPECS = [
     "rot-3", "rot-3.5",

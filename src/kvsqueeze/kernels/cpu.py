@@ -9,10 +9,11 @@ float32 tile, score and accumulate it with two BLAS GEMMs and an exact online so
 hides (the module comment above it in the C++ source says why this design).  Formats the kernel cannot read
 (calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
-The build is cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``),
-keyed by a hash of the source, the compiler flags and this machine's CPU flags (it is compiled with ``-march=native``).  If the
-compiler or ninja is missing, or ``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the
-reference.  Builds are serialised by an advisory file lock that the operating system releases when its holder
+Each instruction-set path (:data:`ISAS`: ``avx512-vnni``, ``avx2``, ``generic``) is its own build with explicit
+target flags, cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``) and
+keyed by a hash of the sources, the flags and torch's version; ``auto`` takes the best this CPU runs and
+``KVSQUEEZE_CPU_ISA`` (or :func:`use_isa`) forces one.  If the compiler or ninja is missing, or
+``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the reference.  Builds are serialised by an advisory file lock that the operating system releases when its holder
 dies, so a build interrupted by Ctrl-C or a kill leaves nothing that makes the next process wait for ever (torch's
 own ``lock`` file would: it is removed here when found under the held lock).
 """
@@ -32,6 +33,7 @@ from types import ModuleType
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
+from ..errors import KvsqueezeError
 from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
 from . import reference
@@ -44,8 +46,9 @@ _SOURCE = Path(__file__).with_name("_csrc") / "packed_attention.cpp"
 _FP, _INT_TOKEN, _INT_CHANNEL, _FP8, _CODEBOOK = 0, 1, 2, 3, 4
 
 _lock = threading.Lock()
-_ext: ModuleType | None = None
-_failed: str | None = None
+_exts: dict[str, ModuleType | None] = {}  # one build per instruction-set path, loaded on first use
+_failed: dict[str, str] = {}
+_forced: str | None = None  # use_isa()'s choice, over KVSQUEEZE_CPU_ISA
 
 
 def _cpu_flags() -> str:
@@ -58,18 +61,69 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+# Instruction-set paths, best first.  Each is its own build with explicit target flags (never -march=native), so a
+# build made on one machine runs on any machine with that path's features, and every path can be forced and tested
+# on a machine that has it.  avx512-vnni: key scores by vpdpbusd/vpdpwssd, 16-lane float vectors; avx2: by
+# vpmaddubsw/vpmaddwd, 8 lanes; generic: the compiler's baseline for the architecture (float path only).
+ISAS = ("avx512-vnni", "avx2", "generic")
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+# GCC's generic tuning splits unaligned 256-bit loads and stores into 128-bit halves, which cost the AVX2 build a
+# store-forwarding stall per row (4x slower fp32 decode than unsplit): the -mno-avx256-split flags keep them whole.
+_NO_SPLIT = ["-mno-avx256-split-unaligned-load", "-mno-avx256-split-unaligned-store"]
+_ISA_CFLAGS = {"avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni", *_NO_SPLIT], "avx2": ["-march=x86-64-v3", *_NO_SPLIT],
+               "generic": []}
+_ISA_NEEDS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx2", "fma",
+                              "f16c", "bmi2", "movbe"},
+              "avx2": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, "generic": set()}
 # -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose "omp parallel" is compiled into
 # this extension; without it every work item ran on one thread whatever torch's thread count (the same libgomp
 # torch loads serves it, by soname).
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=fast"]
 _LDFLAGS = ["-fopenmp"]
 
 
-def _build_name() -> str:
+def runnable_isas() -> list[str]:
+    """The instruction-set paths this CPU can run, best first (``generic`` always)."""
+    flags = set(_cpu_flags().split())
+    flags |= {"bmi1"} if "bmi1" in flags or "bmi" in flags else set()
+    return [i for i in ISAS if i == "generic" or (_X86 and _ISA_NEEDS[i] <= flags)]
+
+
+def selected_isa() -> str:
+    """The path ``attend`` uses: :func:`use_isa`'s, else ``$KVSQUEEZE_CPU_ISA`` (``auto`` or a name in ISAS), else
+    the best this CPU runs."""
+    want = _forced or os.environ.get("KVSQUEEZE_CPU_ISA", "auto") or "auto"
+    runnable = runnable_isas()
+    if want == "auto":
+        return runnable[0]
+    if want not in ISAS:
+        raise KvsqueezeError(f"KVSQUEEZE_CPU_ISA={want!r} is not a CPU kernel path; allowed: auto, {', '.join(ISAS)}")
+    if want not in runnable:
+        raise KvsqueezeError(f"the CPU kernel path {want!r} needs CPU features this machine lacks; it runs: "
+                             f"{', '.join(runnable)}")
+    return want
+
+
+@contextlib.contextmanager
+def use_isa(isa: str):
+    """Force an instruction-set path inside the block (tests and benchmarks compare paths in one process)."""
+    global _forced
+    prev, _forced = _forced, isa
+    try:
+        selected_isa()  # refuse a path this CPU cannot run before anything uses it
+        yield
+    finally:
+        _forced = prev
+
+
+def _flags(isa: str) -> list[str]:
+    return _CFLAGS + (_ISA_CFLAGS[isa] if _X86 else [])
+
+
+def _build_name(isa: str) -> str:
     sources = b"".join(f.read_bytes() for f in sorted(_SOURCE.parent.glob("*.[ch]*")))
-    digest = hashlib.sha256(sources + _cpu_flags().encode() + torch.__version__.encode()
-                            + " ".join(_CFLAGS + _LDFLAGS).encode())
-    return f"kvsqueeze_packed_attention_{digest.hexdigest()[:12]}"
+    digest = hashlib.sha256(sources + torch.__version__.encode() + " ".join(_flags(isa) + _LDFLAGS).encode())
+    return f"kvsqueeze_packed_attention_{isa.replace('-', '_')}_{digest.hexdigest()[:12]}"
 
 
 def _build_directory(name: str) -> Path:
@@ -96,30 +150,34 @@ def _build_lock(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def load_extension(verbose: bool = False) -> ModuleType | None:
-    """Build (first time only) and import the C++ extension; None when it cannot be built here."""
-    global _ext, _failed
-    if _ext is not None or _failed is not None:
-        return _ext
+def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType | None:
+    """Build (first time only) and import the C++ extension of an instruction-set path (default: the selected one);
+    None when it cannot be built here."""
+    isa = isa or selected_isa()
+    if isa in _exts:
+        return _exts[isa]
     with _lock:
-        if _ext is not None or _failed is not None:
-            return _ext
+        if isa in _exts:
+            return _exts[isa]
+        ext = None
         if os.environ.get("KVSQUEEZE_NO_CPP", "") not in ("", "0"):
-            _failed = "disabled by KVSQUEEZE_NO_CPP"
-            return None
-        try:
-            from torch.utils.cpp_extension import load
+            _failed[isa] = "disabled by KVSQUEEZE_NO_CPP"
+        else:
+            try:
+                from torch.utils.cpp_extension import load
 
-            name = _build_name()
-            build_dir = _build_directory(name)
-            with _build_lock(build_dir):
-                _ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
-                            extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS)
-        except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
-            _failed = f"{type(err).__name__}: {err}"
-            warnings.warn(f"kvsqueeze: the C++ attention kernel could not be built ({_failed.splitlines()[0]}); "
-                          f"using the pure-torch reference", RuntimeWarning, stacklevel=2)
-    return _ext
+                name = _build_name(isa)
+                build_dir = _build_directory(name)
+                with _build_lock(build_dir):
+                    ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
+                               extra_cflags=_flags(isa), extra_ldflags=_LDFLAGS)
+            except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
+                _failed[isa] = f"{type(err).__name__}: {err}"
+                warnings.warn(f"kvsqueeze: the C++ attention kernel ({isa}) could not be built "
+                              f"({_failed[isa].splitlines()[0]}); using the pure-torch reference", RuntimeWarning,
+                              stacklevel=2)
+        _exts[isa] = ext
+    return ext
 
 
 def available() -> bool:
@@ -128,13 +186,30 @@ def available() -> bool:
 
 def describe() -> dict:
     """What serves CPU attention here, for reports and ``kvsqueeze env``: whether the C++ kernel is built (building
-    it on first call), the instruction-set path it uses, and why not when it is not."""
-    ext = load_extension()
-    flags = set(_cpu_flags().split())
-    isa = "avx512-vnni" if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else "avx2" if "avx2" in flags else "generic"
+    it on first call), the instruction-set path it uses, the paths this CPU could run, and why not when it is not."""
+    isa = selected_isa()
+    ext = load_extension(isa=isa)
     return {"built": ext is not None, "isa": isa if ext is not None else None,
             "path": f"C++ kernel ({isa})" if ext is not None else "torch reference",
-            "reason": _failed, "build_dir": str(_build_directory(_build_name())) if ext is not None else None}
+            "runnable": runnable_isas(), "reason": _failed.get(isa),
+            "build_dir": str(_build_directory(_build_name(isa))) if ext is not None else None}
+
+
+def integer_scores(plan: SegmentPlan) -> bool:
+    """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
+    2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row): their
+    query is rounded to about 15 bits, so results differ from the reference by a bounded amount rather than by
+    float32 rounding (tests/kernels: within 4e-4 on O(1) outputs, and a small share of the format's own error)."""
+    fmt = plan.key_format
+    isa = selected_isa()
+    if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
+        return False
+    vw, ib = (16, 64) if isa == "avx512-vnni" else (8, 32)
+    cb = ib // 2 if fmt.bits == 8 else ib
+    rby = fmt.head_dim * fmt.bits // 8
+    if not (cb % rby == 0 or rby % cb == 0) or (cb > rby and cb // rby > min(vw, 8)):
+        return False
+    return fmt.group == fmt.head_dim if fmt.axis == "token" else fmt.group % vw == 0
 
 
 def _kernel_ready(fmt: StorageFormat | None) -> bool:

@@ -47,8 +47,12 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     const float* src = qsrc + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
     for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
   }
-  // scores
-  const bool fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
+  // scores: integer dot products where the build and the key format allow, else the float fast path, else generic
+  bool fast_k = false;
+#if defined(KVSQ_INT_DOT)
+  fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, tp.A, tp.C, kpm.chan.data());
+#endif
+  if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (fast_k) {
   } else if (sg.k.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query

@@ -21,12 +21,28 @@ constexpr int VW = 8;
 typedef float vf __attribute__((vector_size(4 * VW), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(4 * VW), aligned(4)));
 
+// Unaligned loads and stores as single instructions: GCC's generic tuning inlines a 32-byte memcpy as two 16-byte
+// moves through the stack, and the AVX2 build's fp32 decode stalled on store forwarding at every row (4x slower).
 inline vf loadf(const float* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_loadu_ps(p));
+#elif defined(__AVX__)
+  return reinterpret_cast<vf>(_mm256_loadu_ps(p));
+#else
   vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+#endif
 }
-inline void storef(float* p, const vf& v) { std::memcpy(p, &v, sizeof(v)); }
+inline void storef(float* p, const vf& v) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(p, reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  _mm256_storeu_ps(p, reinterpret_cast<__m256>(v));
+#else
+  std::memcpy(p, &v, sizeof(v));
+#endif
+}
 
 // Lane t of the result = the sum of the VW lanes of x[t]: log2(VW) levels of two-input lane permutations and adds
 // (VW - 1 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.  After level j
@@ -35,26 +51,48 @@ inline vf pair_sums(const vf& a, const vf& b, const vi& lo, int shift) {
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + shift);
 }
 
-inline vf reduce_lanes(const vf* x) {
+// Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
+// START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
+// (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
+// Level LEVEL's two-input lane pattern, a compile-time constant: on AVX2 a run-time pattern turned each level
+// into an emulated two-source permutation (AVX-512 has one instruction for it, AVX2 none).
+template <int LEVEL>
+constexpr vi level_pattern() {
 #if defined(__AVX512F__)
-  const vi lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const vi lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const vi lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  vf y[8], z[4], w[2];
-  for (int i = 0; i < 8; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 8);
-  for (int i = 0; i < 4; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 4);
-  for (int i = 0; i < 2; ++i) w[i] = pair_sums(z[2 * i], z[2 * i + 1], lo3, 2);
-  return pair_sums(w[0], w[1], lo4, 1);
+  constexpr int P[4][16] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                            {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+                            {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+                            {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  return vi{P[LEVEL][0], P[LEVEL][1], P[LEVEL][2], P[LEVEL][3], P[LEVEL][4], P[LEVEL][5], P[LEVEL][6], P[LEVEL][7],
+            P[LEVEL][8], P[LEVEL][9], P[LEVEL][10], P[LEVEL][11], P[LEVEL][12], P[LEVEL][13], P[LEVEL][14],
+            P[LEVEL][15]};
 #else  // vperm2f128, then two in-lane shufps levels
-  const vi lo1 = {0, 1, 2, 3, 8, 9, 10, 11};
-  const vi lo2 = {0, 1, 4, 5, 8, 9, 12, 13};
-  const vi lo3 = {0, 2, 4, 6, 8, 10, 12, 14};
-  vf y[4], z[2];
-  for (int i = 0; i < 4; ++i) y[i] = pair_sums(x[2 * i], x[2 * i + 1], lo1, 4);
-  for (int i = 0; i < 2; ++i) z[i] = pair_sums(y[2 * i], y[2 * i + 1], lo2, 2);
-  return pair_sums(z[0], z[1], lo3, 1);
+  constexpr int P[3][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+  return vi{P[LEVEL][0], P[LEVEL][1], P[LEVEL][2], P[LEVEL][3], P[LEVEL][4], P[LEVEL][5], P[LEVEL][6], P[LEVEL][7]};
 #endif
+}
+
+constexpr int LOG2_VW = VW == 16 ? 4 : 3;
+
+// Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
+// START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
+// (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
+template <int START>
+inline vf reduce_tokens(vf* x) {
+  if constexpr (START >= LOG2_VW) {
+    return x[0];
+  } else {
+    constexpr vi lo = level_pattern<START>();
+    constexpr int n = VW >> START;
+    for (int i = 0; i < n / 2; ++i) x[i] = pair_sums(x[2 * i], x[2 * i + 1], lo, VW >> (START + 1));
+    return reduce_tokens<START + 1>(x);
+  }
+}
+
+inline vf reduce_lanes(const vf* x) {
+  vf y[VW];
+  std::memcpy(y, x, sizeof(y));
+  return reduce_tokens<0>(y);
 }
 
 // VW consecutive code bytes widened to int32 lanes (one vpmovzxbd; a plain widening loop compiled to byte loads
@@ -222,14 +260,17 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     for (int i = 0; i < L::NV; ++i) a[r][i] = loadf(acc + r * acc_stride + VW * i);
   const int NG = BITS == 32 ? 0 : DT / sd.f.group;
   const BlockGroups<DT, BITS> bg(BITS == 32 ? 0 : sd.f.group);
+  // Codes of up to VW levels go through a lane permutation (vpermps ignores the index bits above log2(VW), so the
+  // other fields of a byte need no mask): code -> float with no and/convert.  When every lane of a unit block is in
+  // one group (G / per >= VW) the permuted table is the dequantized levels a j + c themselves, built once per
+  // block and token, which also saves the multiply-add per field.
+  constexpr bool LUT = BITS < 8 && (1 << BITS) <= VW;
+  const bool uniform = BITS != 32 && sd.f.group / L::per >= VW;
+  vf iota;
+  for (int l = 0; l < VW; ++l) iota[l] = static_cast<float>(l & ((1 << (BITS < 8 ? BITS : 1)) - 1));
   for (int t = 0; t < n; ++t) {
-    float pr[RB];
-    bool any = false;
-    for (int r = 0; r < RB; ++r) {
-      pr[r] = p[r * p_stride + t];
-      any |= pr[r] != 0.f;
-    }
-    if (!any) continue;
+    float pr[RB];  // masked tokens have p = 0 exactly and add nothing: no test per token
+    for (int r = 0; r < RB; ++r) pr[r] = p[r * p_stride + t];
     const char* row = sd.x.row(b, h, t0 + t);
     if constexpr (BITS != 32) __builtin_prefetch(row + PREFETCH_BYTES);
     if constexpr (BITS == 32) {
@@ -244,6 +285,21 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
       for (int hb = 0; hb < L::UB; ++hb) {
         const vi bytes = widen(x + VW * hb);
+        if constexpr (LUT) {
+          if (uniform) {
+            const vf levels = iota * av[hb] + cv[hb];
+            for (int k = 0; k < L::per; ++k) {
+              const vf val = __builtin_shuffle(levels, k ? bytes >> (k * BITS) : bytes);
+              for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
+            }
+            continue;
+          }
+          for (int k = 0; k < L::per; ++k) {
+            const vf val = __builtin_shuffle(iota, k ? bytes >> (k * BITS) : bytes) * av[hb] + cv[hb];
+            for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
+          }
+          continue;
+        }
         for (int k = 0; k < L::per; ++k) {
           const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
           for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;

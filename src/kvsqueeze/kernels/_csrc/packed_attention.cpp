@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "formats.h"
@@ -30,6 +31,7 @@
 #include "simd_avx2.h"
 #include "codebook.h"
 #include "fast_path.h"
+#include "int_scores.h"
 #include "mask.h"
 #include "decode.h"
 #include "multi.h"

@@ -1,0 +1,290 @@
+// Key scores by integer dot products (AVX-512 VNNI or AVX2 builds; other builds keep the float path).
+//
+// The float path converts every key code to float and spends one multiply-add per code and query row; at 2-4 bits
+// that arithmetic, not the bytes read, bounded the decode step.  Here each query row is quantized once (per key
+// group for per-channel keys, whose (scale, zero) fold into it first) and the packed codes are multiplied as bytes:
+//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2: vpmaddubsw + vpmaddwd), one instruction per
+//                  64 (32) codes of one field and query part, the fields split from the packed bytes by a shift and a
+//                  mask.  The query is two int8 parts, round(q / sq) and the remainder in 1/256ths, combined as
+//                  hi * 256 + lo before the lanes are summed: one int8 part alone added ~20% to the 4-bit keys' own
+//                  score error (measured against the reference), two add ~0.1%;
+//   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
+// Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
+//   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
+//   per-token keys, one group:  s_t = sq * a_t * sum_c qi_c code_tc + c_t * sum_c q_c     (qi = round(q / sq))
+// The only error added to the reference's is the query's rounding: |ds_t| <= sq / 2 * sum_c |code_tc| (two int8
+// parts: sq = max|q a| / (127 * 256); int16: max|q| / 32767 or less), tested against the reference in tests/kernels.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVSQ_INT_DOT 1
+#define KVSQ_INT_DOT_NAME "avx512-vnni"
+namespace {
+typedef __m512i ivec;
+constexpr int IB = 64;  // bytes per integer vector
+inline ivec iload(const void* p) { return _mm512_loadu_si512(p); }
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+inline ivec hi_lo(ivec hi, ivec lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }  // hi * 256 + lo
+template <int SHIFT>
+inline ivec field_bytes(ivec x, uint8_t mask) {
+  if constexpr (SHIFT) x = _mm512_srli_epi16(x, SHIFT);  // bits from the next byte land above the mask
+  return _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(mask)));
+}
+inline ivec widen_s16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline vf to_float(ivec x) {
+  const __m512 f = _mm512_cvtepi32_ps(x);
+  vf v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
+}  // namespace
+#elif defined(__AVX2__)
+#define KVSQ_INT_DOT 1
+#define KVSQ_INT_DOT_NAME "avx2"
+namespace {
+typedef __m256i ivec;
+constexpr int IB = 32;
+inline ivec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline ivec izero() { return _mm256_setzero_si256(); }
+// vpmaddubsw saturates pairs at int16: 2 x 15 x 127 fits, which is why 8-bit codes take the int16 path
+inline ivec dot_u8s8(ivec acc, ivec u, ivec s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline ivec hi_lo(ivec hi, ivec lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
+template <int SHIFT>
+inline ivec field_bytes(ivec x, uint8_t mask) {
+  if constexpr (SHIFT) x = _mm256_srli_epi16(x, SHIFT);
+  return _mm256_and_si256(x, _mm256_set1_epi8(static_cast<char>(mask)));
+}
+inline ivec widen_s16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vf to_float(ivec x) {
+  const __m256 f = _mm256_cvtepi32_ps(x);
+  vf v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
+}  // namespace
+#endif
+
+#if defined(KVSQ_INT_DOT)
+namespace {
+
+// The integer layout of one key format: code bytes per vector CB (s16: half a vector's bytes, widened), row bytes
+// RBY, tokens per vector TPV (rows shorter than a vector share it) or vectors per token VPT.
+template <int DT, int BITS>
+struct IntLayout {
+  static constexpr bool S16 = BITS == 8;
+  static constexpr int per = S16 ? 1 : 8 / BITS;
+  static constexpr int RBY = DT * BITS / 8;
+  static constexpr int CB = S16 ? IB / 2 : IB;
+  static constexpr int TPV = CB >= RBY ? CB / RBY : 1;
+  static constexpr int VPT = RBY > CB ? RBY / CB : 1;
+  static constexpr int START = TPV == 1 ? 0 : TPV == 2 ? 1 : TPV == 4 ? 2 : 3;
+  static constexpr bool ok = (CB % RBY == 0 || RBY % CB == 0) && TPV <= VW && TPV <= 8;
+};
+
+// Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
+// (position k U + u holds channel u per + k, U = RBY units per row), so field k's bytes are one contiguous run:
+// vector c, byte j of field k holds position k U + (c CB + j) mod U.  Quantized with vectorisable loops: a
+// per-channel key group (32 tokens in the KIVI presets) re-quantizes every row.
+template <int DT, int BITS, int RB>
+struct IntQuery {
+  using L = IntLayout<DT, BITS>;
+  static constexpr int U = DT / L::per;
+  alignas(64) int8_t q8[RB][2][L::per][L::VPT][IB];  // [.][0]: round(q / sq), [.][1]: the remainder in 1/256ths
+  alignas(64) int16_t q16[RB][DT];
+  float sq[RB];
+
+  static float round_even(float x) { return (x + 12582912.f) - 12582912.f; }  // |x| < 2^22
+
+  void set(const float* qe) {
+    constexpr float QMAX8 = 127.f;
+    // int32 lane sums must not overflow: DT codes of 255 times the largest int16 query value
+    constexpr float QMAX16 = std::min(32767.f, float((2147483647LL / (255LL * DT))));
+    for (int r = 0; r < RB; ++r) {
+      const float* q = qe + r * DT;
+      float m = 0.f;
+#pragma omp simd reduction(max : m)
+      for (int c = 0; c < DT; ++c) m = std::max(m, std::fabs(q[c]));
+      const float qmax = L::S16 ? QMAX16 : QMAX8;
+      sq[r] = m / qmax / (L::S16 ? 1.f : 256.f);  // int8: the dot products come out in 1/256ths
+      const float inv = m > 0.f ? qmax / m : 0.f;
+      if constexpr (L::S16) {
+#pragma omp simd
+        for (int c = 0; c < DT; ++c) q16[r][c] = static_cast<int16_t>(round_even(q[c] * inv));
+      } else {
+        alignas(64) int32_t h32[DT], l32[DT];
+        alignas(64) int8_t hi[DT], lo[DT];
+#pragma omp simd
+        for (int c = 0; c < DT; ++c) {  // integer clamps and narrowing: float min/max kept this loop scalar
+          const float x = q[c] * inv, h = round_even(x);
+          h32[c] = static_cast<int32_t>(h);
+          const int32_t l = static_cast<int32_t>(round_even((x - h) * 256.f));  // |x - h| <= 1/2: only +-128 clamps
+          l32[c] = l > 127 ? 127 : (l < -127 ? -127 : l);
+        }
+#pragma omp simd
+        for (int c = 0; c < DT; ++c) {
+          hi[c] = static_cast<int8_t>(h32[c]);
+          lo[c] = static_cast<int8_t>(l32[c]);
+        }
+        for (int k = 0; k < L::per; ++k)
+          for (int c = 0; c < L::VPT; ++c)
+            for (int i = 0; i < L::TPV; ++i) {  // rows shorter than a vector: the run repeated per token
+              const int n = std::min(IB, U);
+              std::memcpy(&q8[r][0][k][c][i * n], hi + k * U + c * IB, n);
+              std::memcpy(&q8[r][1][k][c][i * n], lo + k * U + c * IB, n);
+            }
+      }
+    }
+  }
+};
+
+// Scores of RB query rows (qs: field-major order, scaled) against tokens [t0, t0+n) of an integer key side.
+// Per-channel keys need t0 and the group aligned to VW tokens (a block of VW tokens shares one group).
+template <int DT, int BITS, int KIND, int RB>
+void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, float* s, int64_t s_stride,
+                const float* A, const float* C, const int* chan) {
+  using L = IntLayout<DT, BITS>;
+  constexpr uint8_t MASK = BITS >= 8 ? 0xFF : (1 << BITS) - 1;
+  constexpr int NV = VW >> L::START;  // vectors per block of VW tokens
+  IntQuery<DT, BITS, RB> iq;
+  float cst[RB] = {0.f}, qsum[RB] = {0.f};
+  alignas(64) static const uint8_t zeros[IB * 8] = {0};
+  if constexpr (KIND == INT_TOKEN) {
+    iq.set(qs);
+    for (int r = 0; r < RB; ++r) {
+      float z = 0.f;
+#pragma omp simd reduction(+ : z)
+      for (int c = 0; c < DT; ++c) z += qs[r * DT + c];
+      qsum[r] = z;
+    }
+  }
+  int64_t next = -1;  // first token of the next per-channel group
+  const bool contiguous = sd.x.sr == L::RBY;
+  for (int tb = 0; tb < n; tb += VW) {
+    if constexpr (KIND == INT_CHANNEL) {
+      if (t0 + tb >= next) {  // fold the group's (scale, zero) into the query and quantize it
+        const int64_t grow = (t0 + tb) / sd.f.group;
+        next = (grow + 1) * sd.f.group;
+        float a[DT], c[DT], qe[RB * DT];
+        channel_params(sd, b, h, grow, chan, DT, a, c);
+        for (int r = 0; r < RB; ++r) {
+          float z = 0.f;
+#pragma omp simd reduction(+ : z)
+          for (int j = 0; j < DT; ++j) {
+            qe[r * DT + j] = qs[r * DT + j] * a[j];
+            z += qs[r * DT + j] * c[j];
+          }
+          cst[r] = z;
+        }
+        iq.set(qe);
+      }
+    }
+    const int nb = std::min(VW, n - tb);
+    vf buf[RB][NV];
+    for (int v = 0; v < NV; ++v) {
+      const int tok = tb + v * L::TPV;  // first token of this vector
+      ivec acc[RB], low[RB];
+      for (int r = 0; r < RB; ++r) acc[r] = low[r] = izero();
+      alignas(64) uint8_t gathered[IB];
+      const uint8_t* base;
+      if (L::TPV == 1) {
+        base = tok < n ? reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok)) : zeros;
+      } else if (contiguous && tok + L::TPV <= n) {
+        base = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok));
+      } else {  // rows apart in memory, or past the end: gathered (missing rows as zeros, their sums unused)
+        for (int i = 0; i < L::TPV; ++i)
+          std::memcpy(gathered + i * L::RBY,
+                      tok + i < n ? reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok + i)) : zeros, L::RBY);
+        base = gathered;
+      }
+      __builtin_prefetch(reinterpret_cast<const char*>(base) + PREFETCH_BYTES);
+      for (int c = 0; c < L::VPT; ++c) {
+        if constexpr (L::S16) {
+          const ivec x = widen_s16(base + c * L::CB);
+          for (int r = 0; r < RB; ++r) acc[r] = dot_s16(acc[r], x, iload(iq.q16[r] + c * L::CB));
+        } else {
+          const ivec x = iload(base + c * IB);
+          [&]<int... K>(std::integer_sequence<int, K...>) {
+            (([&] {
+               const ivec f = field_bytes<K * BITS>(x, MASK);
+               for (int r = 0; r < RB; ++r) {
+                 acc[r] = dot_u8s8(acc[r], f, iload(iq.q8[r][0][K][c]));
+                 low[r] = dot_u8s8(low[r], f, iload(iq.q8[r][1][K][c]));
+               }
+             }()), ...);
+          }(std::make_integer_sequence<int, L::per>{});
+        }
+      }
+      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 ? acc[r] : hi_lo(acc[r], low[r]));
+    }
+    for (int r = 0; r < RB; ++r) {
+      const vf dots = reduce_tokens<L::START>(buf[r]);
+      const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
+                                        : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
+      if (nb == VW) {  // a variable-length copy here compiled to rep movsq and took a sixth of the kernel
+        storef(s + r * s_stride + tb, sv);
+      } else {
+        float out[VW];
+        storef(out, sv);
+        std::memcpy(s + r * s_stride + tb, out, sizeof(float) * nb);
+      }
+    }
+  }
+}
+
+// Whether the integer path serves this key side for a work item starting at token t0 (of its segment).
+template <int DT>
+int int_bits(const Side& sd, int64_t t0) {
+  const Fmt& f = sd.f;
+  if (DT == 0 || (f.kind != INT_TOKEN && f.kind != INT_CHANNEL)) return 0;
+  if (f.bits != 2 && f.bits != 4 && f.bits != 8) return 0;
+  const int rby = DT * f.bits / 8, cb = f.bits == 8 ? IB / 2 : IB;
+  if (!(cb % rby == 0 || rby % cb == 0) || (cb > rby && cb / rby > std::min(VW, 8))) return 0;
+  if (f.kind == INT_TOKEN && f.group != DT) return 0;  // several groups per row: the float path
+  if (f.kind == INT_CHANNEL && (f.group % VW || t0 % VW)) return 0;
+  return f.bits;
+}
+
+template <int DT, int BITS, int KIND>
+void int_scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
+                     int64_t s_stride, const float* A, const float* C, const int* chan) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rb = std::min<int64_t>(4, R - r0);
+    const float* qr = qs + r0 * DT;
+    float* sr = s + r0 * s_stride;
+    switch (rb) {
+      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
+      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
+      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
+      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
+    }
+  }
+}
+
+template <int DT>
+bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
+                    int64_t s_stride, float* A, float* C, const int* chan) {
+  if constexpr (DT == 0) {
+    return false;
+  } else {
+    const int bits = int_bits<DT>(sd, t0);
+    if (!bits) return false;
+    const bool ch = sd.f.kind == INT_CHANNEL;
+    if (!ch) token_params(sd, b, h, t0, n, 1, A, C);
+    switch (bits) {
+      case 2: ch ? int_scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
+                 : int_scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
+      case 4: ch ? int_scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
+                 : int_scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
+      default: ch ? int_scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
+                  : int_scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
+    }
+  }
+}
+
+}  // namespace
+#endif
