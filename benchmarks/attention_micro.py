@@ -1,10 +1,12 @@
 """Attention micro-benchmark: one decode step over L layers of cached K/V, packed kernels vs torch SDPA.
 
 CPU section (always): SmolLM2-135M-shaped heads by default (3 KV heads, 9 query heads, head_dim 64), contexts
-4k-64k.  For each context: kvsqueeze's C++ kernel over full / int8 / kivi-4 / kivi-2 packed blocks, and torch
-SDPA over the same (dequantized-to-fp32 / fp16) data held as dense tensors.  Methods are interleaved per
-repetition; the median is reported with bytes read per step and the implied GB/s, next to the copy bandwidth
-measured by cloning a large tensor in the same run.
+4k-64k, batch 1 (``--batch 1 8``: a row per batch size).  For each case: kvsqueeze's C++ kernel over full / int8 /
+kivi-4 / kivi-2 packed blocks on every instruction-set path this CPU runs (``--isa`` picks; each is its own build),
+and torch SDPA over the same data held as dense fp32 tensors.  Methods are interleaved per repetition; the median
+is reported with bytes read per step (codes + scales + zero points + the fp window) and the implied GB/s, as a
+share of the copy bandwidth measured by cloning 512 MiB in the same run, and as a ratio to the same path's
+``full`` (fp32) kernel.
 
 GPU section (only with CUDA and Triton): Llama-2-7B-shaped (32 heads, head_dim 128; also 8 KV heads GQA), contexts
 4k-128k, batch 1 and 16: the fused Triton int4/int2 decode kernel vs fp16 SDPA and vs dequantize-then-SDPA.
@@ -64,57 +66,64 @@ def bench_cpu(args) -> None:
         print("C++ kernel unavailable; CPU section skipped")
         return
     kvh, qh, d, nl = args.kv_heads, args.q_heads, args.head_dim, args.layers
+    isas = [i for i in (args.isa or cpu.runnable_isas()) if i in cpu.runnable_isas()]
     scale = d ** -0.5
     bw = copy_bandwidth()
-    print(f"\n## CPU: {torch.get_num_threads()} threads, {nl} layers, {kvh} KV heads, {qh} query heads, head_dim {d}, "
-          f"batch 1; copy bandwidth {bw:.1f} GB/s (clone of 512 MiB)\n")
-    print("| context | method | ms/step | MB read/step | GB/s | vs SDPA fp32 |")
-    print("|---|---|---|---|---|---|")
-    for ctx in args.contexts:
-        g = torch.Generator().manual_seed(ctx)
-        layers: dict[str, list] = {p: [] for p in CPU_PRESETS}
-        dense32, dense16, qs = [], [], []
-        for _ in range(nl):
-            k = torch.randn(1, kvh, ctx, d, generator=g) * 1.5 + 0.3
-            v = torch.randn(1, kvh, ctx, d, generator=g)
-            nk, nv = torch.randn(1, kvh, 1, d, generator=g), torch.randn(1, kvh, 1, d, generator=g)
-            for p in CPU_PRESETS:
-                layers[p].append(build_layer(p, k, v, nk, nv))
-            kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
-            dense32.append((kk, vv))
-            dense16.append((kk.half(), vv.half()))
-            qs.append(torch.randn(1, qh, 1, d, generator=g))
-            del k, v
+    print(f"\n## CPU: {torch.get_num_threads()} threads, {nl} layers, {kvh} KV heads, {qh} query heads, head_dim {d}; "
+          f"copy bandwidth {bw:.1f} GB/s (clone of 512 MiB, bytes read); kernel paths: {', '.join(isas)} "
+          f"(this CPU runs: {', '.join(cpu.runnable_isas())})\n")
+    print("| batch | context | method | path | ms/step | MB read/step | GB/s | of copy bw | vs SDPA fp32 | vs full |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch in args.batch:
+        for ctx in args.contexts:
+            _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw)
 
-        def sdpa(dense, qs=qs):
-            for q, (kk, vv) in zip(qs, dense):
-                torch.nn.functional.scaled_dot_product_attention(q.to(kk.dtype), kk, vv, scale=scale,
-                                                                 enable_gqa=qh != kvh)
 
-        def ours(ls, qs=qs):
+def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
+    g = torch.Generator().manual_seed(ctx)
+    layers: dict[str, list] = {p: [] for p in args.presets}
+    dense32, qs = [], []
+    for _ in range(nl):
+        k = torch.randn(batch, kvh, ctx, d, generator=g) * 1.5 + 0.3
+        v = torch.randn(batch, kvh, ctx, d, generator=g)
+        nk, nv = torch.randn(batch, kvh, 1, d, generator=g), torch.randn(batch, kvh, 1, d, generator=g)
+        for p in args.presets:
+            layers[p].append(build_layer(p, k, v, nk, nv))
+        dense32.append((torch.cat([k, nk], 2), torch.cat([v, nv], 2)))
+        qs.append(torch.randn(batch, qh, 1, d, generator=g))
+        del k, v
+
+    def sdpa(qs=qs, dense=dense32):
+        for q, (kk, vv) in zip(qs, dense):
+            torch.nn.functional.scaled_dot_product_attention(q, kk, vv, scale=scale, enable_gqa=qh != kvh)
+
+    def ours(ls, isa, qs=qs):
+        with cpu.use_isa(isa):
             for q, layer in zip(qs, ls):
                 cpu.attend(q, layer.plan(), None, scale)
 
-        methods = {f"kvsqueeze {p}": (lambda ls=layers[p]: ours(ls)) for p in CPU_PRESETS}
-        methods["SDPA fp32"] = lambda d32=dense32: sdpa(d32)
-        methods["SDPA fp16"] = lambda d16=dense16: sdpa(d16)
-        nbytes = {f"kvsqueeze {p}": sum(layer_bytes(la) for la in layers[p]) for p in CPU_PRESETS}
-        nbytes["SDPA fp32"] = sum(kk.numel() * 8 for kk, _ in dense32)
-        nbytes["SDPA fp16"] = sum(kk.numel() * 4 for kk, _ in dense16)
-        times: dict[str, list[float]] = {m: [] for m in methods}
-        for fn in methods.values():
+    methods = {(f"kvsqueeze {p}", isa): (lambda ls=layers[p], isa=isa: ours(ls, isa)) for isa in isas
+               for p in args.presets}
+    methods[("SDPA fp32", "torch")] = sdpa
+    nbytes = {(f"kvsqueeze {p}", isa): sum(layer_bytes(la) for la in layers[p]) for isa in isas
+              for p in args.presets}
+    nbytes[("SDPA fp32", "torch")] = sum(kk.numel() * 8 for kk, _ in dense32)
+    times: dict[tuple, list[float]] = {m: [] for m in methods}
+    for fn in methods.values():
+        fn()  # warm-up (and the first use of each build)
+    for _ in range(args.reps):  # interleaved, so load changes hit every method alike
+        for m, fn in methods.items():
+            t = time.perf_counter()
             fn()
-        for _ in range(args.reps):
-            for m, fn in methods.items():
-                t = time.perf_counter()
-                fn()
-                times[m].append(time.perf_counter() - t)
-        base = statistics.median(times["SDPA fp32"])
-        for m in methods:
-            med = statistics.median(times[m])
-            print(f"| {ctx} | {m} | {med * 1e3:.2f} | {nbytes[m] / 1e6:.1f} | {nbytes[m] / med / 1e9:.1f} | "
-                  f"{base / med:.2f}x |")
-        layers = dense32 = dense16 = None  # free before the next context
+            times[m].append(time.perf_counter() - t)
+    base = statistics.median(times[("SDPA fp32", "torch")])
+    for (name, path), ts in times.items():
+        med = statistics.median(ts)
+        full = times.get(("kvsqueeze full", path))
+        vs_full = f"{statistics.median(full) / med:.2f}x" if full else "-"
+        gbs = nbytes[(name, path)] / med / 1e9
+        print(f"| {batch} | {ctx} | {name} | {path} | {med * 1e3:.2f} | {nbytes[(name, path)] / 1e6:.1f} | {gbs:.1f} | "
+              f"{gbs / bw:.0%} | {base / med:.2f}x | {vs_full} |")
 
 
 def bench_gpu(args) -> None:
@@ -228,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="CPU: sequences per step (one table row each)")
+    p.add_argument("--presets", nargs="+", default=list(CPU_PRESETS), help="CPU: kvsqueeze presets to time")
+    p.add_argument("--isa", nargs="+", default=None,
+                   help="CPU: C++ kernel paths to time (default: every path this CPU runs; see kernels/cpu.py ISAS)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--gpu-contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
     p.add_argument("--gpu-budget-gb", type=float, default=40.0, help="skip GPU shapes whose fp16 K/V exceed this")

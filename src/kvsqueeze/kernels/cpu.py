@@ -27,6 +27,7 @@ import platform
 import threading
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -249,30 +250,48 @@ def _side_parts(fmt: StorageFormat, parts: Mapping[str, torch.Tensor], shared: M
     return [parts["codes"], parts["scale"], parts.get("zero", _EMPTY)]
 
 
-def packed_segments(plan: SegmentPlan) -> tuple[list[torch.Tensor], list[int], list[int], list[int], list[int],
-                                                list[int]]:
-    """Flatten a plan into the kernel's segment lists (no copies: tensors as stored)."""
-    parts: list[torch.Tensor] = []
-    pos: list[int] = []
-    num: list[int] = []
-    new: list[int] = []
-    fmt: list[int] = []
-    fmts = [_FP, 16, 1, 0, 0, 0] * 2
+@dataclass
+class KernelPlan:
+    """A segment plan flattened for the kernel (no copies: tensors as stored), field for field the C++ struct of the
+    same name (``_csrc/plan.h``) that both entry points take."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)  # 6 per segment: keys (x, scale, zero), values (...)
+    positions: list[int] = field(default_factory=list)  # absolute position of each segment's first token
+    lengths: list[int] = field(default_factory=list)
+    is_new: list[int] = field(default_factory=list)  # 1 for the step's own tokens (causal among themselves)
+    format_index: list[int] = field(default_factory=list)  # 0: exact tokens, 1: the store's format
+    formats: list[int] = field(default_factory=list)  # 6 ints per side (see _fmt), keys then values, per format
+    mask: torch.Tensor = _EMPTY
+    kv_offset: int = 0  # absolute position of mask column 0
+    query_start: int = 0
+    scaling: float = 1.0
+
+    def native(self, ext: ModuleType):
+        out = ext.KernelPlan()
+        for name in self.__dataclass_fields__:
+            setattr(out, name, getattr(self, name))
+        return out
+
+
+def kernel_plan(plan: SegmentPlan, mask: torch.Tensor | None = None, scaling: float = 1.0) -> KernelPlan:
+    """Flatten a segment plan into the kernel's plan."""
+    kp = KernelPlan(formats=[_FP, 16, 1, 0, 0, 0] * 2, mask=_EMPTY if mask is None else mask,
+                    kv_offset=plan.first_visible, query_start=plan.query_start, scaling=float(scaling))
     if plan.key_format is not None:
-        fmts += _fmt(plan.key_format) + _fmt(plan.value_format)
+        kp.formats += _fmt(plan.key_format) + _fmt(plan.value_format)
     for seg in plan.segments:
         if not seg.length:
             continue
         if seg.kind == EXACT:
-            parts.extend((seg.k, _EMPTY, _EMPTY, seg.v, _EMPTY, _EMPTY))
+            kp.parts.extend((seg.k, _EMPTY, _EMPTY, seg.v, _EMPTY, _EMPTY))
         else:
-            parts.extend(_side_parts(plan.key_format, seg.k_parts, plan.key_shared)
-                         + _side_parts(plan.value_format, seg.v_parts, plan.value_shared))
-        pos.append(seg.start)
-        num.append(seg.length)
-        new.append(int(seg.is_new))
-        fmt.append(int(seg.kind != EXACT))
-    return parts, pos, num, new, fmt, fmts
+            kp.parts.extend(_side_parts(plan.key_format, seg.k_parts, plan.key_shared)
+                            + _side_parts(plan.value_format, seg.v_parts, plan.value_shared))
+        kp.positions.append(seg.start)
+        kp.lengths.append(seg.length)
+        kp.is_new.append(int(seg.is_new))
+        kp.format_index.append(int(seg.kind != EXACT))
+    return kp
 
 
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -280,19 +299,16 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     ext = load_extension()
     if ext is None or query.device.type != "cpu" or not supports(plan):
         return reference.attend(query, plan, mask, scaling)
-    parts, pos, num, new, fmt, fmts = packed_segments(plan)
-    if not pos:
+    kp = kernel_plan(plan, mask, scaling)
+    if not kp.positions:
         raise ValueError("attention over an empty cache with no new tokens")
     # the reference fails the same way on a short mask (a RuntimeError from slicing); never read past the mask
     plan.check_mask(mask, query.shape[2])
     f = plan.flush_tokens
     chunk = max(f, CHUNK_TOKENS // f * f)
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
-    m = _EMPTY if mask is None else mask
     if query.shape[2] > MAX_QUERIES:
-        out = ext.attend_multi(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start,
-                               float(scaling), Q_TILE, K_TILE)
+        out = ext.attend_multi(q, kp.native(ext), Q_TILE, K_TILE)
     else:
-        out = ext.attend(q, parts, pos, num, new, fmt, fmts, m, plan.first_visible, plan.query_start,
-                         float(scaling), chunk)
+        out = ext.attend(q, kp.native(ext), chunk)
     return out.to(query.dtype)

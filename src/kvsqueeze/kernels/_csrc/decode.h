@@ -133,9 +133,6 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
 }  // namespace
 
 
-// q: float32 [B, Hq, Lq, D] contiguous.  Per segment: 6 tensors (k.x, k.scale, k.zero, v.x, v.scale, v.zero;
-// empty where absent), its absolute start, token count, is-new flag and format index (into fmts: 6 ints each,
-// keys then values).  mask: empty, bool or float [B|1, 1, Lq, kv_len].  Returns float32 [B, Hq, Lq, D].
 // The segment lists both entry points take, unpacked: one Seg per segment, each format's field orders (formats no
 // segment uses get identity orders, never read) and, per format, a rotated-codebook side whose table (rotation +
 // levels) was checked here once.
@@ -198,10 +195,8 @@ const Side* any_side(const std::vector<const Side*>& per_format) {
   return out;
 }
 
-at::Tensor attend(const at::Tensor& q, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
-                  const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
-                  const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, const at::Tensor& mask,
-                  int64_t kv_offset, int64_t query_start, double scaling, int64_t chunk) {
+at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
+  KVSQ_UNPACK_PLAN(plan)
   init_luts();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32");
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);

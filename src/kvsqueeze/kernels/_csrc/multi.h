@@ -217,11 +217,9 @@ void run_tile(const MultiCtx& cx, int64_t w, MultiScratch& sc) {
 
 }  // namespace
 
-// Same arguments as attend, plus the query tile QT and key tile KT of the work items.  Returns float32 [B, Hq, Lq, D].
-at::Tensor attend_multi(const at::Tensor& q, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
-                        const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
-                        const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, const at::Tensor& mask,
-                        int64_t kv_offset, int64_t query_start, double scaling, int64_t q_tile, int64_t k_tile) {
+// The plan as attend takes it, plus the query tile QT and key tile KT of the work items.  Returns float32 [B, Hq, Lq, D].
+at::Tensor attend_multi(const at::Tensor& q, const KernelPlan& plan, int64_t q_tile, int64_t k_tile) {
+  KVSQ_UNPACK_PLAN(plan)
   init_luts();
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32");
   TORCH_CHECK(q_tile > 0 && k_tile > 0, "tiles must be positive");

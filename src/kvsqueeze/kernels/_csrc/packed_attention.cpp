@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "plan.h"
 #include "formats.h"
 #include "simd_generic.h"
 #include "simd_avx2.h"
@@ -37,6 +38,18 @@
 #include "multi.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<KernelPlan>(m, "KernelPlan", pybind11::module_local())  // each instruction-set build has its own
+      .def(pybind11::init<>())
+      .def_readwrite("parts", &KernelPlan::parts)
+      .def_readwrite("positions", &KernelPlan::positions)
+      .def_readwrite("lengths", &KernelPlan::lengths)
+      .def_readwrite("is_new", &KernelPlan::is_new)
+      .def_readwrite("format_index", &KernelPlan::format_index)
+      .def_readwrite("formats", &KernelPlan::formats)
+      .def_readwrite("mask", &KernelPlan::mask)
+      .def_readwrite("kv_offset", &KernelPlan::kv_offset)
+      .def_readwrite("query_start", &KernelPlan::query_start)
+      .def_readwrite("scaling", &KernelPlan::scaling);
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
 }
