@@ -44,6 +44,19 @@ inline void storef(float* p, const vf& v) {
 #endif
 }
 
+// x in every lane: one vbroadcastss (vf{} + x compiled to a scalar add of +0 first, kept for signed zeros)
+inline vf splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(x));
+#else
+  vf v;
+  for (int l = 0; l < VW; ++l) v[l] = x;
+  return v;
+#endif
+}
+
 // Lane t of the result = the sum of the VW lanes of x[t]: log2(VW) levels of two-input lane permutations and adds
 // (VW - 1 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.  After level j
 // each vector holds VW >> j partial sums of 2^j inputs side by side.
@@ -149,8 +162,8 @@ __attribute__((always_inline)) inline void token_affine(int group, const float* 
   using L = Layout<DT, BITS>;
   if (group / L::per >= VW) {  // every block lies in one group: broadcasts, no permutation
     for (int hb = 0; hb < L::UB; ++hb) {
-      av[hb] = vf{} + ag[bg.g[hb]];
-      cv[hb] = vf{} + cg[bg.g[hb]];
+      av[hb] = splat(ag[bg.g[hb]]);
+      cv[hb] = splat(cg[bg.g[hb]]);
     }
     return;
   }
