@@ -8,6 +8,13 @@
 // Rotated codebook layouts (kind CODEBOOK, docs/rotated.md) are read in the rotated space: queries are rotated
 // once (q R), a token's score is norm * sum_i q'_i cb[code_i] (a 2-16 entry table), values accumulate in the
 // rotated space and the merged output is rotated back once (o = o' R^T).
+//
+// Files: plan.h (the KernelPlan both entry points take), formats.h (tensor views, formats, parameters, generic
+// dequantization), simd_generic.h / simd_avx2.h (helpers per instruction set), codebook.h (rotated codebooks),
+// fast_path.h (vectorised float path), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h
+// (the decode entry point), multi.h (the multi-query entry point); this file: includes and bindings.  Each
+// instruction-set path is its own build (kernels/cpu.py), so the same sources compile with or without each
+// feature.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -16,7 +23,9 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)  // other CPUs build the generic path: every intrinsic below sits
+#include <immintrin.h>                        // under an instruction-set macro they never define
+#endif
 
 #include <algorithm>
 #include <cmath>
