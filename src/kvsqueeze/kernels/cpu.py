@@ -201,7 +201,11 @@ def integer_scores(plan: SegmentPlan) -> bool:
     2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row): their
     query is rounded to about 15 bits, so results differ from the reference by a bounded amount rather than by
     float32 rounding (tests/kernels: within 4e-4 on O(1) outputs, and a small share of the format's own error)."""
-    fmt = plan.key_format
+    return integer_key_format(plan.key_format)
+
+
+def integer_key_format(fmt: StorageFormat | None) -> bool:
+    """:func:`integer_scores` for a key storage format."""
     isa = selected_isa()
     if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
         return False
