@@ -21,6 +21,7 @@ own ``lock`` file would: it is removed here when found under the held lock).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -85,16 +86,22 @@ _LDFLAGS = ["-fopenmp"]
 
 def runnable_isas() -> list[str]:
     """The instruction-set paths this CPU can run, best first (``generic`` always)."""
+    return list(_runnable())
+
+
+@functools.cache
+def _runnable() -> tuple[str, ...]:
+    # read once: /proc/cpuinfo costs ~0.1 ms, and every attention call asks (30 layers a decode step)
     flags = set(_cpu_flags().split())
     flags |= {"bmi1"} if "bmi1" in flags or "bmi" in flags else set()
-    return [i for i in ISAS if i == "generic" or (_X86 and _ISA_NEEDS[i] <= flags)]
+    return tuple(i for i in ISAS if i == "generic" or (_X86 and _ISA_NEEDS[i] <= flags))
 
 
 def selected_isa() -> str:
     """The path ``attend`` uses: :func:`use_isa`'s, else ``$KVSQUEEZE_CPU_ISA`` (``auto`` or a name in ISAS), else
     the best this CPU runs."""
     want = _forced or os.environ.get("KVSQUEEZE_CPU_ISA", "auto") or "auto"
-    runnable = runnable_isas()
+    runnable = _runnable()
     if want == "auto":
         return runnable[0]
     if want not in ISAS:
