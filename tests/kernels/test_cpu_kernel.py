@@ -7,6 +7,8 @@ We assert atol 5e-5 for float32 caches and 2e-2 relative for fp16/bf16 models (o
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -86,6 +88,36 @@ def test_sliding_window_layer_after_eviction(spec):
     mask = ((cols > qpos - window) & (cols <= qpos))[None, None, None, :]
     assert_matches_reference(cpu.attend, layer, 4, 1, mask)
     assert_matches_reference(cpu.attend, layer, 4, 1)
+
+
+@pytest.mark.parametrize("spec", ["kivi-2-sink4", "k4c16-v8t8-w16-s1"])
+def test_stored_run_reused_between_flushes_and_rebuilt_after_edits(spec):
+    """Decode steps between two flushes reuse the flattened stored blocks (kernel_plan's run, kept on the first
+    block's segment); flushes, a crop into the history and a batch reorder rebuild it, and every step matches the
+    reference over what is stored then."""
+    g = torch.Generator().manual_seed(5)
+    layer = filled_layer(spec, batch=2, kv_heads=2, stored=600, new=1)
+    reused, prev = 0, None
+    for step in range(90):
+        if step == 40:
+            hist = layer.n_history
+            layer.crop(layer.n_total - 300)  # into the history: blocks truncated, a remainder back in the window
+            assert 0 < layer.n_history < hist
+        if step == 60:
+            layer.map_batch(lambda t: t.flip(0))  # beam reorder: every block's tensors replaced
+        if step == 70:
+            layer.crop(layer.n_total - 1)  # inside the window: the stored run is untouched
+        layer.stage(torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g))
+        run = cpu.kernel_plan(layer.plan()).head
+        reused += run is prev
+        prev = run
+        assert_matches_reference(cpu.attend, layer, 4, 1)
+        layer.commit()
+    flushes = 90 // layer.spec.flush_tokens
+    assert 90 - flushes - 4 <= reused < 90 - flushes  # at least every flush, crop and reorder rebuilt it
+    clone = copy.deepcopy(layer)  # the run holds native objects: a copy starts without it
+    clone.stage(torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g))
+    assert_matches_reference(cpu.attend, clone, 4, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

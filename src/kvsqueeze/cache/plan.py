@@ -20,6 +20,17 @@ from ..quant.format import StorageFormat
 EXACT, STORED = "exact", "stored"
 
 
+class Memo(dict):
+    """A kernel's derived data on a segment: a copied or pickled cache starts without it (it may hold native
+    objects, and is rebuilt on first use)."""
+
+    def __deepcopy__(self, memo) -> Memo:
+        return Memo()
+
+    def __reduce__(self):
+        return (Memo, ())
+
+
 @dataclass(frozen=True)
 class Segment:
     """``length`` tokens starting at absolute position ``start``.
@@ -40,6 +51,8 @@ class Segment:
     k_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     v_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     decode: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # derived data a kernel may keep for as long as this (immutable) segment is reused from step to step
+    memo: dict = field(default_factory=lambda: Memo(), compare=False, repr=False)
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of this segment: as held for exact segments, decoded for stored ones."""

@@ -58,7 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("mask", &KernelPlan::mask)
       .def_readwrite("kv_offset", &KernelPlan::kv_offset)
       .def_readwrite("query_start", &KernelPlan::query_start)
-      .def_readwrite("scaling", &KernelPlan::scaling);
+      .def_readwrite("scaling", &KernelPlan::scaling)
+      .def("insert_head", &insert_head, "put a cached plan's segments before segment `at` of this one");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
 }
