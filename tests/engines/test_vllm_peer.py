@@ -104,6 +104,26 @@ def test_worker_reports_a_failure_as_one_json_line(tmp_path):
     assert out == {"ok": False, "error": "ModuleNotFoundError: No module named 'vllm'"}
 
 
+def test_a_relative_model_path_reaches_the_worker_resolved(tmp_path, monkeypatch):
+    """The worker runs in a temporary folder: a relative checkpoint path (``export --vllm OUT`` stages
+    ``.OUT.tmp-*`` beside OUT) must reach it absolute, or vLLM takes it for a hub id."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(vllm_client, "require_vllm_python", lambda: sys.executable)
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen.update(json.loads(Path(argv[2]).read_text()))
+        Path(argv[3]).write_text(json.dumps({"ok": True}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(vllm_client.subprocess, "run", fake_run)
+    vllm_client.run_task({"task": "logprobs", "model": "ckpt"})
+    assert seen["model"] == str(tmp_path.resolve() / "ckpt")
+    vllm_client.run_task({"task": "logprobs", "model": "org/hub-id"})  # not a local path: passed as given
+    assert seen["model"] == "org/hub-id"
+
+
 needs_vllm = pytest.mark.skipif(vllm_client.vllm_python() is None, reason="vllm is not installed")
 
 
