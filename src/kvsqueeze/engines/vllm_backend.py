@@ -4,9 +4,9 @@ Imported only inside vLLM's processes (never by kvsqueeze's own), after :func:`k
 named it in vLLM's backend registry.
 
 The backend asks vLLM for pages of ``token_bytes`` per (KV head, token) (``customize_spec``: vLLM sizes its pool
-and counts blocks from that), writes tokens through :class:`~kvsqueeze.engines.paged.PagedStore` (a page is packed
+and counts blocks from that), writes tokens through :class:`~kvsqueeze.kernels.paged.PagedStore` (a page is packed
 when its last slot is written; a sequence's last, partial page stays in full precision outside the pool) and
-computes attention with :func:`~kvsqueeze.engines.paged.paged_attention` on the packed pages, for decode and
+computes attention with :func:`~kvsqueeze.kernels.paged.paged_attention` on the packed pages, for decode and
 chunked prefill alike.
 """
 
@@ -26,10 +26,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .paged import PagedStore, paged_attention, paged_format
+from ..kernels.paged import PAGE_TOKENS, PagedStore, paged_attention, paged_format, pool_cell_bytes
 from .vllm_plugin import ENV
-
-PAGE_TOKENS = 32  # a page is one KIVI key group (kvsqueeze's kivi presets group 32 tokens per channel)
 
 
 def _format():
@@ -66,9 +64,7 @@ class KvsqueezeAttentionBackend(AttentionBackend):
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         if spec.state_content_bytes is not None:
             return spec
-        cell = _format().token_bytes(PAGE_TOKENS, spec.head_size)  # kernel pages are PAGE_TOKENS long
-        cell = -(-cell // 4) * 4  # vLLM views the cell in the model's dtype (up to 4 bytes)
-        return replace(spec, state_content_bytes=cell)
+        return replace(spec, state_content_bytes=pool_cell_bytes(_format(), spec.head_size))
 
     @staticmethod
     def get_impl_cls() -> type[KvsqueezeAttentionImpl]:

@@ -1,7 +1,7 @@
 """kvsqueeze's vLLM plugin (entry point ``vllm.general_plugins``: ``kvsqueeze``).
 
 vLLM calls :func:`register` in each of its processes.  It does nothing unless ``$KVSQUEEZE_VLLM_KV`` names a
-format of :mod:`kvsqueeze.engines.paged` (``kivi-4``, ``kivi-2``, ``int8``); then it registers
+format of :mod:`kvsqueeze.kernels.paged` (``kivi-4``, ``kivi-2``, ``int8``); then it registers
 :class:`kvsqueeze.engines.vllm_backend.KvsqueezeAttentionBackend` through vLLM's backend registry
 (``register_backend``): as ``CUSTOM``, and on a CPU as the override of ``CPU_ATTN``, because vLLM's CPU platform
 always picks ``CPU_ATTN`` whatever backend is asked for (overriding a member is what the registry is for).  No
@@ -21,7 +21,7 @@ def register() -> None:
     name = os.environ.get(ENV)
     if not name:
         return
-    from .paged import paged_format
+    from ..kernels.paged import paged_format
 
     paged_format(name)  # an unknown format fails in vLLM's start-up, naming the allowed ones
     from vllm.platforms import current_platform

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.engines.paged import FORMATS, PagedStore, paged_attention, paged_format, pool_bits_per_element
+from kvsqueeze.kernels.paged import FORMATS, PagedStore, paged_attention, paged_format, pool_bits_per_element
 from kvsqueeze.kernels.reference import attend_segments
 from kvsqueeze.quant.integer import fake_quantize
 from kvsqueeze.spec import PRESETS

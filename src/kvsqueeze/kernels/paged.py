@@ -229,9 +229,18 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     return out
 
 
+PAGE_TOKENS = 32  # vLLM block size the plugin runs: a page is one KIVI key group (the kivi presets group 32 tokens)
+CELL_ALIGN = 4  # vLLM views a (head, token) cell in the model's dtype (up to 4 bytes): cells are whole elements
+
+
+def pool_cell_bytes(fmt: PagedFormat, head_dim: int, block_size: int = PAGE_TOKENS) -> int:
+    """Bytes vLLM allocates per (KV head, token) for ``fmt``: the page's bytes over its tokens, rounded up."""
+    return -(-fmt.token_bytes(block_size, head_dim) // CELL_ALIGN) * CELL_ALIGN
+
+
 def pool_bits_per_element(fmt: PagedFormat, block_size: int, head_dim: int) -> float:
-    """Bits per K/V element of a packed page as the pool stores it (the cell rounded up to whole bytes)."""
-    return 8 * fmt.token_bytes(block_size, head_dim) / (2 * head_dim)
+    """Bits per K/V element of a packed page as the pool stores it (the cell rounded up to whole elements)."""
+    return 8 * pool_cell_bytes(fmt, head_dim, block_size) / (2 * head_dim)
 
 
-__all__ = ["FORMATS", "PagedFormat", "PagedStore", "paged_attention", "paged_format", "pool_bits_per_element"]
+__all__ = ["FORMATS", "PAGE_TOKENS", "pool_cell_bytes", "PagedFormat", "PagedStore", "paged_attention", "paged_format", "pool_bits_per_element"]
