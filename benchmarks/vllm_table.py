@@ -6,7 +6,8 @@ quantized, the same WikiText-2 chunks for every row.
 Rows:
 
 * ``vllm``: vLLM itself through ``prompt_logprobs`` (kvsqueeze's vllm peer, bf16 weights).  vLLM's fp8 cache
-  needs AVX-512 or AMX on a CPU; where it cannot run, the row says why.
+  needs AVX-512 or AMX on a CPU (the header prints which this CPU has); where it cannot run, the row says why.
+  ``--plugin kivi-4,...``: also vLLM with kvsqueeze's plugin storing those formats in its pages.
 * ``emulated``: transformers (fp32 weights) with every layer's K/V passed through vLLM's fp8 conversion
   (:func:`kvsqueeze.calibrate.vllm_fp8.vllm_fp8_dequant`: the truncating conversion of vLLM's CPU kernels, per-layer
   scales; 1.0 without checkpoint scales, as vLLM uses), on the same chunks.
@@ -48,6 +49,15 @@ def _naive_scales(model, chunks: torch.Tensor, fmt: str) -> tuple[list[float], l
     return k, v
 
 
+def cpu_fp8_features() -> str:
+    """What vLLM's CPU fp8 cache needs (AVX-512 or AMX) as this CPU's flags have it, for the table's header."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    flags = set(next((ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), "").split())
+    have = sorted(f for f in flags if f == "avx512f" or f.startswith("amx"))
+    return f"{name}: " + (", ".join(have) if have else "neither AVX-512 nor AMX (vLLM refuses its fp8 cache)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--export", action="append", default=[], metavar="FMT=DIR",
@@ -58,6 +68,10 @@ def main() -> int:
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-vllm", action="store_true", help="emulated rows only")
+    p.add_argument("--no-emulated", action="store_true", help="vLLM rows only")
+    p.add_argument("--plugin", default="", metavar="FMT,...",
+                   help="also vLLM with kvsqueeze's plugin storing these formats (kivi-4, kivi-2, int8) on the "
+                        "original model (vllm:kvsqueeze-FMT; the plugin installed beside vLLM)")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     exports = []  # (label, fmt, path)
@@ -80,46 +94,51 @@ def main() -> int:
         print(f"  {engine:9s} {model_name:44s} {cache:30s} {'' if ppl is None else f'{ppl:.3f}'} {note}",
               file=sys.stderr, flush=True)
 
-    print(f"vllm_table: {args.chunks} x {args.context} WikiText-2 tokens, {threads} threads", file=sys.stderr)
+    print(f"vllm_table: {args.chunks} x {args.context} WikiText-2 tokens, {threads} threads; CPU "
+          f"{cpu_fp8_features()}", file=sys.stderr)
     # ---- vLLM itself
     if not args.no_vllm and vllm_client.vllm_python() is not None:
         targets = [("original", None, d) for d in ("auto", "fp8_e4m3", "fp8_e5m2")]
         targets += [(label, str(path), f"fp8_{fmt}") for label, fmt, path in exports]
+        targets += [("original", None, f"kvsqueeze-{f}") for f in args.plugin.split(",") if f]
         no_fp8 = ""  # vLLM's reason for refusing fp8 on this CPU, once known
         for name, source, dtype in targets:
+            cache = (f"{dtype} (plugin; kv_cache_dtype=auto)" if dtype.startswith("kvsqueeze-")
+                     else f"kv_cache_dtype={dtype}")
             if no_fp8 and dtype.startswith("fp8"):
-                add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {no_fp8}")
+                add("vllm", name, cache, None, f"not run: {no_fp8}")
                 continue
             try:
                 r = run_ppl(VllmPeer(dtype), chunks, source, threads)
-                add("vllm", name, f"kv_cache_dtype={dtype}", r["ppl"], r["engine"])
+                add("vllm", name, cache, r["ppl"], r["engine"])
             except KvsqueezeError as exc:
                 reason = str(exc).split(" (log:")[0].split("task: ")[-1]
                 if "AVX-512" in reason:
                     no_fp8 = "vLLM's fp8 cache cannot run on this CPU: " + reason.split("on this CPU: ")[-1]
                     if getattr(exc, "log", None) is not None:
                         exc.log.unlink(missing_ok=True)
-                add("vllm", name, f"kv_cache_dtype={dtype}", None, f"not run: {reason}")
+                add("vllm", name, cache, None, f"not run: {reason}")
     elif not args.no_vllm:
         add("vllm", "-", "-", None, "vLLM is not installed (README: vLLM)")
     # ---- emulation of vLLM's CPU fp8 cache in transformers
-    with torch.no_grad():
-        t = time.perf_counter()
-        add("emulated", "original", "unquantized", _ppl(emulated_nll(model, chunks, None)))
-        for fmt in ("e4m3", "e5m2"):
-            add("emulated", "original", f"fp8_{fmt}, scales 1.0",
-                _ppl(emulated_nll(model, chunks, fmt)))
-        k, v = _naive_scales(model, chunks, "e4m3")
-        add("emulated", "original", "fp8_e4m3, absmax/448 scales (chunk 1)", _ppl(emulated_nll(model, chunks, "e4m3", k, v)))
-        for label, fmt, path in exports:
-            rec = json.loads((path / "kvsqueeze_export.json").read_text())
-            exported = reload_plain(path, torch.float32)
-            add("emulated", label, f"fp8_{fmt}, calibrated scales",
-                _ppl(emulated_nll(exported, chunks, fmt, rec["k_scale"], rec["v_scale"])))
-            if any(Path(u).resolve() == path.resolve() for u in args.unquantized):
-                add("emulated", label, "unquantized", _ppl(emulated_nll(exported, chunks, None)))
-            del exported
-        print(f"  emulated rows: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    if not args.no_emulated:
+        with torch.no_grad():
+            t = time.perf_counter()
+            add("emulated", "original", "unquantized", _ppl(emulated_nll(model, chunks, None)))
+            for fmt in ("e4m3", "e5m2"):
+                add("emulated", "original", f"fp8_{fmt}, scales 1.0",
+                    _ppl(emulated_nll(model, chunks, fmt)))
+            k, v = _naive_scales(model, chunks, "e4m3")
+            add("emulated", "original", "fp8_e4m3, absmax/448 scales (chunk 1)", _ppl(emulated_nll(model, chunks, "e4m3", k, v)))
+            for label, fmt, path in exports:
+                rec = json.loads((path / "kvsqueeze_export.json").read_text())
+                exported = reload_plain(path, torch.float32)
+                add("emulated", label, f"fp8_{fmt}, calibrated scales",
+                    _ppl(emulated_nll(exported, chunks, fmt, rec["k_scale"], rec["v_scale"])))
+                if any(Path(u).resolve() == path.resolve() for u in args.unquantized):
+                    add("emulated", label, "unquantized", _ppl(emulated_nll(exported, chunks, None)))
+                del exported
+            print(f"  emulated rows: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     # ---- the table
     base = {r["engine"]: r["ppl"] for r in rows if r["model"] == "original" and r["cache"] in
             ("unquantized", "kv_cache_dtype=auto") and r["ppl"]}

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import json
 import os
 import re
 import shutil
@@ -131,11 +132,13 @@ def _resolve(name_or_path: str | Path, cache_dir: str | Path | None, progress: b
 
 def _load(source: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
     """Model and tokenizer from a local folder, or from the hub when ``source`` is a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = load_causal_lm(source, dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except ImportError as error:  # a quantization method whose package is not installed: one line, not a traceback
+        raise ValueError(f"Could not load {str(source)!r}: {error}") from error
     except (OSError, ValueError) as error:
         if isinstance(source, Path):
             raise
@@ -144,6 +147,34 @@ def _load(source: str | Path, dtype: torch.dtype) -> tuple[Any, Any]:
             f"and that failed ({type(error).__name__}: {error}). load_model accepts {ACCEPTED_INPUTS}."
         ) from error
     return model, tokenizer
+
+
+def kv_scales_only(quantization_config: Any) -> bool:
+    """True for a compressed-tensors entry that quantizes nothing but the KV cache (``kvsqueeze export --vllm``
+    writes one): the weights are plain tensors, only vLLM reads the scales."""
+    q = quantization_config if isinstance(quantization_config, dict) else {}
+    return (q.get("quant_method") == "compressed-tensors" and not q.get("config_groups")
+            and q.get("kv_cache_scheme") is not None)
+
+
+def load_causal_lm(source: str | Path, dtype: torch.dtype) -> Any:
+    """The model; a local checkpoint whose quantization entry only holds KV-cache scales loads as the plain model
+    it is, so transformers neither needs compressed-tensors for it nor reports the scale tensors as unused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_file = Path(source) / "config.json"
+    if not config_file.is_file() or not kv_scales_only(json.loads(config_file.read_text()).get("quantization_config")):
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(source)
+    del config.quantization_config
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the k_scale / v_scale tensors are unused here: expected
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _prepare(model: Any, tokenizer: Any, dtype: torch.dtype) -> tuple[Any, Any]:

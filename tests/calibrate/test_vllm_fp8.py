@@ -158,6 +158,48 @@ def test_export_vllm_checkpoint(tmp_path, tiny_llama, tiny_tokenizer):
                        tensors["model.layers.1.self_attn.o_proj.weight"])
 
 
+# A child process with compressed-tensors made unimportable (what scripts/setup.sh installs lacks it): transformers
+# then treats the package as absent, as on a fresh set-up, whatever this environment holds.
+_WITHOUT_COMPRESSED_TENSORS = """
+import sys
+sys.modules["compressed_tensors"] = None
+from kvsqueeze.models import load_model
+try:
+    model, tok = load_model(sys.argv[1], progress=False)
+except ValueError as e:
+    print("ValueError:", e)
+else:
+    print("loaded", type(model).__name__, sum(p.numel() for p in model.parameters()))
+"""
+
+
+def _load_without_compressed_tensors(path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_COMPRESSED_TENSORS, str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_exported_checkpoint_loads_without_compressed_tensors(tmp_path, tiny_llama, tiny_tokenizer):
+    """``ppl --model EXPORTED --kv vllm:...`` loads the checkpoint in kvsqueeze's process (for its tokenizer and
+    chunks): the KV-scales-only quantization entry must not ask for compressed-tensors there."""
+    src = _tiny_dir(tmp_path, tiny_llama, tiny_tokenizer)
+    out = tmp_path / "vllm"
+    export_vllm(_artifact(tmp_path, tiny_llama, rotate_keys=False), out, str(src), progress=False)
+    n = sum(p.numel() for p in tiny_llama.parameters())
+    assert _load_without_compressed_tensors(out) == f"loaded {type(tiny_llama).__name__} {n}"
+    # a checkpoint that does quantize weights with compressed-tensors: one line naming the package, no traceback
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"] = {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True, "dynamic": False}}}
+    (out / "config.json").write_text(json.dumps(cfg))
+    line = _load_without_compressed_tensors(out)
+    assert line.startswith("ValueError: Could not load") and "compressed-tensors" in line, line
+
+
 def test_export_vllm_folds_key_rotations_exactly(tmp_path, tiny_llama, tiny_tokenizer):
     src = _tiny_dir(tmp_path, tiny_llama, tiny_tokenizer)
     art_path = _artifact(tmp_path, tiny_llama, compensate=False)  # rotations only: the function is unchanged

@@ -104,6 +104,26 @@ def test_worker_reports_a_failure_as_one_json_line(tmp_path):
     assert out == {"ok": False, "error": "ModuleNotFoundError: No module named 'vllm'"}
 
 
+def test_a_relative_model_path_reaches_the_worker_resolved(tmp_path, monkeypatch):
+    """The worker runs in a temporary folder: a relative checkpoint path (``export --vllm OUT`` stages
+    ``.OUT.tmp-*`` beside OUT) must reach it absolute, or vLLM takes it for a hub id."""
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(vllm_client, "require_vllm_python", lambda: sys.executable)
+    seen = {}
+
+    def fake_run(argv, **kw):
+        seen.update(json.loads(Path(argv[2]).read_text()))
+        Path(argv[3]).write_text(json.dumps({"ok": True}))
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(vllm_client.subprocess, "run", fake_run)
+    vllm_client.run_task({"task": "logprobs", "model": "ckpt"})
+    assert seen["model"] == str(tmp_path.resolve() / "ckpt")
+    vllm_client.run_task({"task": "logprobs", "model": "org/hub-id"})  # not a local path: passed as given
+    assert seen["model"] == "org/hub-id"
+
+
 needs_vllm = pytest.mark.skipif(vllm_client.vllm_python() is None, reason="vllm is not installed")
 
 
@@ -229,3 +249,81 @@ def test_report_cells_of_vllm_rows():
     assert ppl_cell(results, "window", "vllm:auto") == "n/a (vLLM quantizes every token)"
     assert retrieval_cell(results, "vllm:fp8_e4m3") == "n/a (not run through vLLM)"
     assert ppl_cell(results, "decode", "kivi-4") == "n/a"  # nothing recorded: no reason invented
+
+
+# ---- kvsqueeze's vLLM plugin: "vllm:kvsqueeze-<format>"
+
+def test_plugin_names_resolve_and_unknown_formats_are_refused():
+    from kvsqueeze.eval.vllm_peer import make_peer
+
+    peer = make_peer("vllm:kvsqueeze-kivi-4")
+    assert peer.plugin_format == "kivi-4" and peer.quantized and peer.name == "vllm:kvsqueeze-kivi-4"
+    assert peer.bits_per_element(64) == 5.0 and peer.bits_per_element() is None
+    with pytest.raises(UnknownCacheError, match="allowed: vllm:kvsqueeze-kivi-4, vllm:kvsqueeze-kivi-2"):
+        make_peer("vllm:kvsqueeze-kivi-3")
+
+
+def test_the_worker_knows_the_plugin_formats():
+    """The worker imports nothing from kvsqueeze: its copies of the format names and page size must agree."""
+    from kvsqueeze.external import vllm_worker
+    from kvsqueeze.kernels.paged import FORMATS, PAGE_TOKENS
+
+    assert vllm_worker.PLUGIN_FORMATS == tuple(FORMATS)
+    assert vllm_worker.PLUGIN_BLOCK_SIZE == PAGE_TOKENS
+
+
+def test_plugin_bytes_are_the_pool_cells_and_the_partial_page():
+    from kvsqueeze.eval.vllm_peer import make_peer
+
+    layout = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64}
+    b = kv_bytes(make_peer("vllm:kvsqueeze-kivi-4"), layout, 1024)
+    assert b["bits_per_element"] == 5.0 and b["full_precision"] == 0  # 80-byte cells, 32 whole pages
+    b = kv_bytes(make_peer("vllm:kvsqueeze-int8"), layout, 1000)  # 31 pages + 8 tokens in bf16
+    assert b["codes"] == 992 * 30 * 3 * 136 and b["full_precision"] == 8 * 30 * 3 * 64 * 2 * 2
+
+
+def test_the_plugin_is_inert_without_its_variable(monkeypatch):
+    from kvsqueeze.engines import vllm_plugin
+
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    assert vllm_plugin.register() is None  # returns before importing vLLM
+
+
+def _plugin_installed() -> bool:
+    python = vllm_client.vllm_python()
+    if python is None:
+        return False
+    code = ("import sys; from importlib.metadata import entry_points; "
+            "sys.exit(not any(e.name == 'kvsqueeze' for e in entry_points(group='vllm.general_plugins')))")
+    return subprocess.run([python, "-c", code], capture_output=True, timeout=120).returncode == 0
+
+
+@needs_vllm
+@pytest.mark.skipif(not _plugin_installed(), reason="kvsqueeze's plugin is not installed beside vLLM")
+def test_vllm_with_the_plugin_scores_from_packed_pages(tmp_path, tiny_llama, tiny_tokenizer):
+    """Real vLLM with the plugin: int8 pages stay close to exact attention, kivi-2 pages move the scores more
+    (the pages are really packed), and a row shorter than a page (all in its partial page) is exact."""
+    src = _tiny_model_dir(tmp_path / "tiny", tiny_llama, tiny_tokenizer)
+    ids = torch.randint(2, 256, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = torch.log_softmax(tiny_llama(input_ids=ids).logits[:, :-1].float(), -1)
+    ref = -logp.gather(2, ids[:, 1:, None])[..., 0]
+    err = {}
+    for fmt in ("int8", "kivi-2"):
+        got = torch.tensor(vllm_client.prompt_nll(src, f"kvsqueeze-{fmt}", ids.tolist(), dtype="float32")["nll"])
+        assert got.shape == ref.shape
+        err[fmt] = (got - ref).abs()  # a page is packed when its last token is written, before it is read
+    assert err["int8"].max() < 0.02
+    assert err["kivi-2"].mean() > 3 * err["int8"].mean()
+    short = ids[:, :20].tolist()
+    got = torch.tensor(vllm_client.prompt_nll(src, "kvsqueeze-kivi-2", short, dtype="float32")["nll"])
+    assert torch.allclose(got, ref[:, :19], atol=2e-3, rtol=1e-3)
+
+
+@needs_vllm
+@pytest.mark.skipif(_plugin_installed(), reason="kvsqueeze's plugin is installed beside vLLM")
+def test_the_plugin_missing_beside_vllm_is_one_line(tmp_path):
+    with pytest.raises(vllm_client.VllmError, match="needs kvsqueeze's vLLM plugin.*pip install --no-deps") as err:
+        vllm_client.check_kv_cache_dtypes(["kvsqueeze-kivi-4"])
+    if err.value.log is not None:
+        err.value.log.unlink(missing_ok=True)

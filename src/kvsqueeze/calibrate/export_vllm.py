@@ -107,21 +107,11 @@ def _fmt(art: Any) -> str:
 
 
 def reload_plain(path: Path, dtype: torch.dtype) -> Any:
-    """The checkpoint with plain transformers: the compressed-tensors entry (KV scales only, which transformers
-    does not use) is dropped from the config, the scale tensors are ignored as unused keys."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    """The checkpoint as kvsqueeze's own commands load it (``ppl --model OUT``): plain transformers, the
+    KV-scales-only compressed-tensors entry set aside (one loader, so the export checks what evaluation loads)."""
+    from ..models import load_causal_lm
 
-    cfg = AutoConfig.from_pretrained(path)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the k_scale / v_scale tensors are reported as unused: expected
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=dtype)
-    finally:
-        hf_logging.set_verbosity(level)
-    return model.eval()
+    return load_causal_lm(path, dtype).eval()
 
 
 @torch.no_grad()

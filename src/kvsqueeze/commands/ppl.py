@@ -50,7 +50,11 @@ def run(args: argparse.Namespace) -> int:
           f"{args.context} tokens of {corpus.name}, {threads} threads")
     print(f"corpus {corpus_mod.summary(corpus)}; found by: {'; '.join(corpus.resolution)}")
     if vllm_peer.is_vllm(kv):
-        res = vllm_peer.run_ppl(kv, chunks, args.model, threads)
+        from kvsqueeze.layout import model_kv_layout
+
+        # the plugin's bytes depend on the model's head_dim (its packed cells): computed from the layout
+        layout = model_kv_layout(model.config) if kv.plugin_format else None
+        res = vllm_peer.run_ppl(kv, chunks, args.model, threads, layout=layout)
     else:
         res = run_ppl(model, chunks, args.kv, protocol, prefix, prefill_chunk=args.prefill_chunk)
     wall = time.perf_counter() - start

@@ -22,6 +22,8 @@ import torch
 from ..cache.accounting import ByteTotals
 from ..errors import UnknownCacheError, UnsupportedCacheError
 from ..external import vllm_client
+from ..kernels.paged import FORMATS as PAGED_FORMATS
+from ..kernels.paged import PAGE_TOKENS, paged_format, pool_cell_bytes
 from ..resolve import register_peer_family
 
 PREFIX = "vllm:"
@@ -31,6 +33,8 @@ KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
                    "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc",
                    "turboquant_3bit_nc", "ultraquant_4bit", "int4_per_token_head", "int8_per_token_head",
                    "fp8_per_token_head", "nvfp4", "nvfp4_4over6")
+# "vllm:kvsqueeze-<format>": vLLM (kv_cache_dtype auto) with kvsqueeze's plugin storing <format> in its pages
+PLUGIN_PREFIX = "kvsqueeze-"
 WEIGHT_DTYPE = "bfloat16"
 # bits per stored element of the dtypes whose layout is known (auto stores the model's dtype: WEIGHT_DTYPE)
 _BITS = {"auto": 16, "float16": 16, "bfloat16": 16, "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8}
@@ -52,7 +56,16 @@ class VllmPeer:
         return PREFIX + self.kv_cache_dtype
 
     @property
+    def plugin_format(self) -> str | None:
+        """The kvsqueeze format the plugin stores in vLLM's pages, or None for vLLM's own dtypes."""
+        d = self.kv_cache_dtype
+        return d[len(PLUGIN_PREFIX):] if d.startswith(PLUGIN_PREFIX) else None
+
+    @property
     def description(self) -> str:
+        if self.plugin_format:
+            return (f"vLLM with kvsqueeze's plugin: {self.plugin_format} packed in vLLM's {PAGE_TOKENS}-token pages "
+                    f"(a sequence's last, partial page in {WEIGHT_DTYPE}), {WEIGHT_DTYPE} weights")
         return f"vLLM, kv_cache_dtype={self.kv_cache_dtype} ({WEIGHT_DTYPE} weights, per-layer K/V scales)"
 
     @property
@@ -71,22 +84,35 @@ class VllmPeer:
         return {"backend": "vllm", "kv_cache_dtype": self.kv_cache_dtype, "weights": WEIGHT_DTYPE,
                 "description": self.description}
 
-    def bits_per_element(self) -> float | None:
+    def bits_per_element(self, head_dim: int | None = None) -> float | None:
         """Bits per K/V element of the dtype (without the per-layer scales: see :func:`kv_bytes`); None where the
-        dtype's layout is not known here."""
+        dtype's layout is not known here.  The plugin's packed pages: the pool's cell (parameters included) for
+        ``head_dim`` (None: unknown, so None)."""
+        if self.plugin_format:
+            return None if head_dim is None else 8 * self.cell_bytes(head_dim) / (2 * head_dim)
         return _BITS.get(self.kv_cache_dtype)
+
+    def cell_bytes(self, head_dim: int) -> int:
+        """Bytes vLLM allocates per (KV head, token) for the plugin's format."""
+        return pool_cell_bytes(paged_format(self.plugin_format), head_dim)
 
     @property
     def quantized(self) -> bool:
-        return (self.bits_per_element() or 16) < 16
+        return bool(self.plugin_format) or (self.bits_per_element() or 16) < 16
 
 
 def make_peer(name: str) -> VllmPeer:
     dtype = name[len(PREFIX):]
+    if dtype.startswith(PLUGIN_PREFIX):
+        if dtype[len(PLUGIN_PREFIX):] not in PAGED_FORMATS:
+            raise UnknownCacheError(f"kvsqueeze's vLLM plugin has no format {dtype[len(PLUGIN_PREFIX):]!r} in "
+                                    f"{name!r}; allowed: {', '.join(PREFIX + PLUGIN_PREFIX + f for f in PAGED_FORMATS)}")
+        return VllmPeer(dtype)
     if dtype not in KV_CACHE_DTYPES:
         raise UnknownCacheError(f"unknown vLLM KV cache dtype {dtype!r} in {name!r}; allowed: "
                                 f"{', '.join(PREFIX + d for d in KV_CACHE_DTYPES)} (on a CPU vLLM implements "
-                                f"auto, fp8, fp8_e4m3 and fp8_e5m2)")
+                                f"auto, fp8, fp8_e4m3 and fp8_e5m2; kvsqueeze's plugin: "
+                                f"{', '.join(PREFIX + PLUGIN_PREFIX + f for f in PAGED_FORMATS)})")
     return VllmPeer(dtype)
 
 
@@ -121,15 +147,25 @@ def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1
     kv_heads x head_dim x 2 (K and V), plus the fp8 dtypes' fp32 k_scale and v_scale per layer.  Every layer
     holds every token (an upper bound for sliding-window layers).  Same keys as the in-process footprint records
     (:meth:`kvsqueeze.eval.peers.KVFootprint.as_dict`); None for a dtype whose layout is not known here."""
-    bits = peer.bits_per_element()
-    if bits is None:
-        return None
     layers = layout["num_layers"]
     elements = 2 * tokens * batch * layers * layout["num_kv_heads"] * layout["head_dim"]
-    data = elements * bits // 8
-    params = layers * _SCALE_BYTES_PER_LAYER if peer.quantized else 0
-    totals = (_KVBytes(data, params, 0, elements, elements) if peer.quantized
-              else _KVBytes(0, 0, data, elements, 0))
+    if peer.plugin_format:
+        # packed cells (codes and fp16 parameters, as vLLM allocates them) for full pages; each sequence's last,
+        # partial page in the weights' dtype, outside vLLM's pool
+        tail = tokens % PAGE_TOKENS
+        packed_tokens = tokens - tail
+        packed = packed_tokens * batch * layers * layout["num_kv_heads"] * peer.cell_bytes(layout["head_dim"])
+        full = 2 * tail * batch * layers * layout["num_kv_heads"] * layout["head_dim"] * 2
+        quantized_elements = elements * packed_tokens // tokens
+        totals = _KVBytes(packed, 0, full, elements, quantized_elements)
+    else:
+        bits = peer.bits_per_element()
+        if bits is None:
+            return None
+        data = elements * bits // 8
+        params = layers * _SCALE_BYTES_PER_LAYER if peer.quantized else 0
+        totals = (_KVBytes(data, params, 0, elements, elements) if peer.quantized
+                  else _KVBytes(0, 0, data, elements, 0))
 
     def num(x: float) -> float | None:
         return None if x != x else round(x, 6)  # JSON has no NaN

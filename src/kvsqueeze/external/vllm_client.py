@@ -89,6 +89,9 @@ def run_task(request: dict[str, Any], threads: int = 1, log: Path | None = None,
     """Run one worker task (``info``, ``logprobs``, ``speed``) and return its result; a failure is one
     :class:`VllmError` line (vLLM's own log is kept in ``log``, or a temporary file named in the message)."""
     python = require_vllm_python()
+    model = request.get("model")
+    if model is not None and Path(model).expanduser().exists():  # the child runs in its own folder: no relative paths
+        request = {**request, "model": str(Path(model).expanduser().resolve())}
     with tempfile.TemporaryDirectory(prefix="kvsqueeze-vllm-") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
         req.write_text(json.dumps(request))

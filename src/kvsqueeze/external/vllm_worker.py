@@ -6,7 +6,8 @@ REQUEST.json RESULT.json``.  The request names one task on one engine:
 
 * ``info``: vLLM's version and the KV cache dtypes it accepts (no model is loaded);
 * ``check``: whether vLLM and its attention backend on this machine run each of ``kv_cache_dtypes`` (no model is
-  loaded: the checks :func:`_engine` makes before starting one);
+  loaded: the checks :func:`_engine` makes before starting one); ``kvsqueeze-<format>`` names kvsqueeze's plugin
+  (its packed pages in vLLM's pool), which must be installed beside vLLM;
 * ``logprobs``: every prompt token's log-probability (``prompt_logprobs``) for prompts given as token ids;
 * ``speed``: prefill seconds and decode milliseconds per token of random prompts given as token ids, for each of
   ``prompt_sets`` (one batch each, e.g. one per context length) on one engine;
@@ -56,7 +57,34 @@ def _check_cpu_backend(kv_cache_dtype: str) -> None:
         raise ValueError(f"vLLM cannot run kv_cache_dtype {kv_cache_dtype!r} on this CPU: {exc}") from None
 
 
+# kv_cache_dtype "kvsqueeze-<format>": vLLM's own "auto" dtype with kvsqueeze's plugin (entry point
+# vllm.general_plugins "kvsqueeze") storing <format> in vLLM's pages; the plugin reads the format from this variable
+KVSQUEEZE_PREFIX = "kvsqueeze-"
+PLUGIN_ENV = "KVSQUEEZE_VLLM_KV"
+PLUGIN_FORMATS = ("kivi-4", "kivi-2", "int8")  # kvsqueeze.kernels.paged.FORMATS (a test keeps them equal)
+PLUGIN_BLOCK_SIZE = 32  # kvsqueeze.kernels.paged.PAGE_TOKENS
+PLUGIN_INSTALL = ("install kvsqueeze into vLLM's virtualenv without its dependencies (it brings the plugin): "
+                  "VLLM_PYTHON -m pip install --no-deps KVSQUEEZE_SOURCE (docs/vllm.md)")
+
+
+def _check_plugin(kv_cache_dtype: str) -> str:
+    """The format of a ``kvsqueeze-<format>`` dtype, once the plugin is known to be installed beside vLLM."""
+    from importlib.metadata import entry_points
+
+    fmt = kv_cache_dtype[len(KVSQUEEZE_PREFIX):]
+    if fmt not in PLUGIN_FORMATS:
+        raise ValueError(f"kvsqueeze's vLLM plugin has no format {fmt!r}; allowed: "
+                         f"{', '.join(KVSQUEEZE_PREFIX + f for f in PLUGIN_FORMATS)}")
+    if not any(ep.name == "kvsqueeze" for ep in entry_points(group="vllm.general_plugins")):
+        raise ValueError(f"{kv_cache_dtype} needs kvsqueeze's vLLM plugin, which this vLLM environment lacks: "
+                         f"{PLUGIN_INSTALL}")
+    return fmt
+
+
 def _check_kv_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype.startswith(KVSQUEEZE_PREFIX):
+        _check_plugin(kv_cache_dtype)
+        return
     if kv_cache_dtype not in _accepted_kv_dtypes():
         raise ValueError(f"vLLM does not accept kv_cache_dtype {kv_cache_dtype!r}; allowed: "
                          f"{', '.join(_accepted_kv_dtypes())}")
@@ -66,12 +94,19 @@ def _check_kv_dtype(kv_cache_dtype: str) -> None:
 def _engine(req: dict):
     from vllm import LLM
 
-    _check_kv_dtype(req["kv_cache_dtype"])
-
+    kv_cache_dtype = req["kv_cache_dtype"]
+    _check_kv_dtype(kv_cache_dtype)
+    extra = {}
+    if kv_cache_dtype.startswith(KVSQUEEZE_PREFIX):
+        # set before the engine starts: its processes inherit it and the plugin reads it there
+        os.environ[PLUGIN_ENV] = _check_plugin(kv_cache_dtype)
+        kv_cache_dtype, extra = "auto", {"block_size": PLUGIN_BLOCK_SIZE}
+    else:
+        os.environ.pop(PLUGIN_ENV, None)  # the plugin stays inert
     kwargs = {"model": req["model"], "tokenizer": req["model"], "dtype": req.get("dtype", "bfloat16"),
-              "kv_cache_dtype": req["kv_cache_dtype"], "max_model_len": int(req["max_model_len"]),
+              "kv_cache_dtype": kv_cache_dtype, "max_model_len": int(req["max_model_len"]),
               "seed": 0, "enforce_eager": True, "enable_prefix_caching": False,
-              "max_num_seqs": int(req.get("max_num_seqs", 8))}
+              "max_num_seqs": int(req.get("max_num_seqs", 8)), **extra}
     if req.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = int(req["max_num_batched_tokens"])
     return LLM(**kwargs)

@@ -1,0 +1,246 @@
+"""kvsqueeze formats inside a paged KV pool (vLLM's KV blocks), and attention read from the packed pages.
+
+A page holds ``n`` tokens of every KV head.  Per KV head, its bytes are laid out as::
+
+    [key codes | value codes | key scale | key zero | value scale | value zero]   (fp16 parameters)
+
+* ``kivi-4`` / ``kivi-2``: keys per channel over the page's tokens (one scale and zero per channel per page: the
+  KIVI grouping, with the page as the token group), values per token in groups of 32 channels;
+* ``int8``: keys and values per token in groups of 64 channels.
+
+Integer codes and parameters follow :func:`kvsqueeze.quant.integer.quantize_groups` (min-max, offset rounded
+down and scale rounded up in fp16), so a packed page decodes to what kvsqueeze's own cache would store.
+
+A page is packed when its last token is written; until then (a sequence's last, partial page) its tokens are
+kept in full precision by :class:`PagedStore`, outside the pool.  :func:`paged_attention` reads a sequence's
+pages a few at a time (decoded, scored, merged by an online softmax) and its partial page from the store: no
+full-precision copy of a sequence's history is built.  Torch and :mod:`kvsqueeze.quant` only: it runs inside
+vLLM's processes, whose transformers is older than kvsqueeze's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..quant.integer import dequantize_groups, group_view, quantize_groups, ungroup_view
+from ..quant.packing import pack_bits, packed_nbytes, unpack_bits
+
+PARAM_BYTES = 2  # fp16 scales and zeros
+
+
+@dataclass(frozen=True)
+class PagedFormat:
+    """Integer K/V codes of one page; ``key_group`` 0 means keys are grouped per channel over the page."""
+
+    name: str
+    key_bits: int
+    value_bits: int
+    key_group: int  # channels per key group (per-token keys), or 0: per channel over the page's tokens
+    value_group: int  # channels per value group (values are per token)
+
+    def _parts(self, n: int, d: int) -> list[tuple[str, int]]:
+        """(name, bytes) of one KV head's page, in order."""
+        k_params = d if self.key_group == 0 else n * (d // self.key_group)
+        v_params = n * (d // self.value_group)
+        return [("key_codes", n * packed_nbytes(d, self.key_bits)),
+                ("value_codes", n * packed_nbytes(d, self.value_bits)),
+                ("key_scale", k_params * PARAM_BYTES), ("key_zero", k_params * PARAM_BYTES),
+                ("value_scale", v_params * PARAM_BYTES), ("value_zero", v_params * PARAM_BYTES)]
+
+    def check(self, n: int, d: int) -> None:
+        for g in (self.key_group, self.value_group):
+            if g and d % g:
+                raise ValueError(f"{self.name}: head_dim {d} is not a multiple of its {g}-channel groups")
+        packed_nbytes(d, self.key_bits), packed_nbytes(d, self.value_bits)  # raises on a width that cannot pack
+
+    def page_bytes(self, n: int, d: int) -> int:
+        """Bytes of one KV head's page of ``n`` tokens."""
+        return sum(b for _, b in self._parts(n, d))
+
+    def token_bytes(self, n: int, d: int) -> int:
+        """Bytes per (KV head, token) cell: the page's bytes over its tokens, rounded up."""
+        return -(-self.page_bytes(n, d) // n)
+
+    def bits_per_element(self, n: int, d: int) -> float:
+        return 8 * self.page_bytes(n, d) / (n * 2 * d)
+
+    def _split(self, flat: Tensor, n: int, d: int) -> dict[str, Tensor]:
+        out, at = {}, 0
+        for name, b in self._parts(n, d):
+            out[name] = flat[..., at:at + b]
+            at += b
+        return out
+
+    # -- one side (keys or values) of a batch of pages: x [P, H, n, d]
+    def _side(self, side: str) -> tuple[int, int]:
+        return (self.key_bits, self.key_group) if side == "key" else (self.value_bits, self.value_group)
+
+    def _quantize(self, x: Tensor, side: str) -> tuple[Tensor, Tensor, Tensor]:
+        bits, group = self._side(side)
+        p, h, n, d = x.shape
+        axis, g = ("channel", n) if group == 0 else ("token", group)
+        codes, scale, zero = quantize_groups(group_view(x.float(), axis, g), bits)
+        codes = ungroup_view(codes, axis, g, x.shape)
+        return (pack_bits(codes.contiguous(), bits).reshape(p, h, -1),
+                scale.reshape(p, h, -1).view(torch.uint8), zero.reshape(p, h, -1).view(torch.uint8))
+
+    def _dequantize(self, codes: Tensor, scale: Tensor, zero: Tensor, n: int, d: int, side: str) -> Tensor:
+        bits, group = self._side(side)
+        p, h = codes.shape[:2]
+        c = unpack_bits(codes.reshape(p, h, n, -1), bits, d)
+        s, z = scale.contiguous().view(torch.float16), zero.contiguous().view(torch.float16)
+        if group == 0:  # [P, H, 1, d, n] groups: one parameter per channel
+            cg = group_view(c, "channel", n)
+            x = dequantize_groups(cg, s.reshape(p, h, 1, d, 1), z.reshape(p, h, 1, d, 1), bits)
+            return ungroup_view(x, "channel", n, (p, h, n, d))
+        cg = group_view(c, "token", group)
+        x = dequantize_groups(cg, s.reshape(p, h, n, d // group, 1), z.reshape(p, h, n, d // group, 1), bits)
+        return ungroup_view(x, "token", group, (p, h, n, d))
+
+    def encode(self, k: Tensor, v: Tensor) -> Tensor:
+        """Full pages k, v [P, H, n, d] -> uint8 [P, H, page_bytes]."""
+        p, h, n, d = k.shape
+        kc, ks, kz = self._quantize(k, "key")
+        vc, vs, vz = self._quantize(v, "value")
+        return torch.cat([kc, vc, ks, kz, vs, vz], dim=-1)
+
+    def decode(self, pages: Tensor, n: int, d: int) -> tuple[Tensor, Tensor]:
+        """uint8 [P, H, >= page_bytes] -> float32 k, v [P, H, n, d]."""
+        parts = self._split(pages, n, d)
+        k = self._dequantize(parts["key_codes"], parts["key_scale"], parts["key_zero"], n, d, "key")
+        v = self._dequantize(parts["value_codes"], parts["value_scale"], parts["value_zero"], n, d, "value")
+        return k, v
+
+
+FORMATS: dict[str, PagedFormat] = {
+    "kivi-4": PagedFormat("kivi-4", 4, 4, key_group=0, value_group=32),
+    "kivi-2": PagedFormat("kivi-2", 2, 2, key_group=0, value_group=32),
+    "int8": PagedFormat("int8", 8, 8, key_group=64, value_group=64),
+}
+
+
+def paged_format(name: str) -> PagedFormat:
+    if name not in FORMATS:
+        raise ValueError(f"unknown paged KV format {name!r}; allowed: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+class PagedStore:
+    """Writes tokens into packed pages of a pool ``pages`` [num_blocks, H, >= page_bytes] (uint8): each page
+    stays in full precision here until its last slot is written, then it is packed into the pool."""
+
+    def __init__(self, fmt: PagedFormat, block_size: int, num_kv_heads: int, head_dim: int):
+        fmt.check(block_size, head_dim)
+        self.fmt, self.n, self.h, self.d = fmt, block_size, num_kv_heads, head_dim
+        self.partial: dict[int, Tensor] = {}  # block id -> [2, H, n, d] (keys, values) in the model's dtype
+
+    def write(self, pages: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
+        """Store key/value [T, H, d] at ``slot_mapping`` [T] (block * n + offset; negative = padding).  A
+        sequence's tokens arrive in order, so a page is complete when its offset n - 1 is written."""
+        slots = slot_mapping[: key.shape[0]].tolist()
+        n, full = self.n, []
+        i = 0
+        while i < len(slots):
+            if slots[i] < 0:
+                i += 1
+                continue
+            block, off = divmod(slots[i], n)
+            j = i
+            while j + 1 < len(slots) and slots[j + 1] == slots[j] + 1 and slots[j + 1] % n:
+                j += 1  # a run of consecutive slots inside the same page
+            if off == 0:  # the page starts (again): a stale buffer of a freed block is dropped
+                buf = key.new_zeros((2, self.h, n, self.d))
+            else:
+                buf = self.partial.get(block)
+                if buf is None:
+                    raise RuntimeError(f"paged KV: offset {off} of block {block} written before its offset 0")
+            end = off + j - i + 1
+            buf[0, :, off:end] = key[i:j + 1].transpose(0, 1)
+            buf[1, :, off:end] = value[i:j + 1].transpose(0, 1)
+            if end == n:
+                self.partial.pop(block, None)
+                full.append((block, buf))
+            else:
+                self.partial[block] = buf
+            i = j + 1
+        if full:
+            blocks = torch.tensor([b for b, _ in full], dtype=torch.long)
+            kv = torch.stack([buf for _, buf in full], dim=1)  # [2, P, H, n, d]
+            packed = self.fmt.encode(kv[0], kv[1])
+            pages[blocks, :, : packed.shape[-1]] = packed
+
+
+NEG_INF = float("-inf")
+
+
+def _merge(state: list[Tensor], q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, first: int) -> None:
+    """Fold keys/values [H, keys, d] at positions first.. into the running (max, sum, output) of q [H, rows, d]."""
+    m, lsum, acc = state
+    scores = q @ k.transpose(1, 2)
+    kpos = torch.arange(first, first + k.shape[1])
+    scores.masked_fill_(kpos[None, None, :] > qpos[None, :, None], NEG_INF)  # causal, by absolute position
+    m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+    safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))  # rows that saw no key yet
+    p = torch.exp(scores - safe)
+    corr = torch.exp(m - safe)
+    state[:] = [m_new, lsum * corr + p.sum(-1, keepdim=True), acc * corr + p @ v]
+
+
+def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table: Tensor, seq_lens: Tensor,
+                    query_start_loc: Tensor, scale: float, out: Tensor | None = None,
+                    pages_per_step: int = 16) -> Tensor:
+    """Causal attention of ``query`` [T, Hq, d] (each sequence's queries are its last tokens) over the packed
+    pages named by ``block_table`` [S, max_blocks] and the store's partial pages; returns [T, Hq, d].
+
+    ``pages_per_step`` pages are decoded at a time and merged by an online softmax (log-sum-exp)."""
+    n, h, d = store.n, store.h, store.d
+    hq = query.shape[1]
+    rep = hq // h
+    if out is None:
+        out = torch.empty_like(query)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, length in enumerate(lens):
+        q0, q1 = qsl[s], qsl[s + 1]
+        ql = q1 - q0
+        if ql == 0:
+            continue
+        # [H, rep * ql, d]: query heads grouped by their KV head (head i reads KV head i // rep)
+        q = query[q0:q1].float().transpose(0, 1).reshape(h, rep * ql, d) * scale
+        qpos = torch.arange(length - ql, length).repeat(rep)  # absolute position of each query row
+        state = [torch.full((h, rep * ql, 1), NEG_INF), torch.zeros((h, rep * ql, 1)), torch.zeros((h, rep * ql, d))]
+        n_full, tail = divmod(length, n)
+        row = block_table[s]
+        for p0 in range(0, n_full, pages_per_step):
+            p1 = min(p0 + pages_per_step, n_full)
+            k, v = store.fmt.decode(pages[row[p0:p1].long()], n, d)  # [P, H, n, d]
+            _merge(state, q, qpos, k.transpose(0, 1).reshape(h, -1, d), v.transpose(0, 1).reshape(h, -1, d), p0 * n)
+        if tail:
+            buf = store.partial.get(int(row[n_full]))
+            if buf is None:
+                raise RuntimeError(f"paged KV: the partial page of sequence {s} (block {int(row[n_full])}) "
+                                   f"has no stored tokens")
+            _merge(state, q, qpos, buf[0, :, :tail].float(), buf[1, :, :tail].float(), n_full * n)
+        _, lsum, acc = state
+        res = acc / lsum
+        out[q0:q1] = res.reshape(h, rep, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d).to(out.dtype)
+    return out
+
+
+PAGE_TOKENS = 32  # vLLM block size the plugin runs: a page is one KIVI key group (the kivi presets group 32 tokens)
+CELL_ALIGN = 4  # vLLM views a (head, token) cell in the model's dtype (up to 4 bytes): cells are whole elements
+
+
+def pool_cell_bytes(fmt: PagedFormat, head_dim: int, block_size: int = PAGE_TOKENS) -> int:
+    """Bytes vLLM allocates per (KV head, token) for ``fmt``: the page's bytes over its tokens, rounded up."""
+    return -(-fmt.token_bytes(block_size, head_dim) // CELL_ALIGN) * CELL_ALIGN
+
+
+def pool_bits_per_element(fmt: PagedFormat, block_size: int, head_dim: int) -> float:
+    """Bits per K/V element of a packed page as the pool stores it (the cell rounded up to whole elements)."""
+    return 8 * pool_cell_bytes(fmt, head_dim, block_size) / (2 * head_dim)
+
+
+__all__ = ["FORMATS", "PAGE_TOKENS", "pool_cell_bytes", "PagedFormat", "PagedStore", "paged_attention", "paged_format", "pool_bits_per_element"]

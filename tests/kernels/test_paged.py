@@ -1,0 +1,141 @@
+"""Packed K/V pages for vLLM's paged pool: the formats match kvsqueeze's presets, writes in any chunking give the
+same pool, and attention over packed pages matches kernels/reference.py over the same decoded K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.kernels.paged import FORMATS, PagedStore, paged_attention, paged_format, pool_bits_per_element
+from kvsqueeze.kernels.reference import attend_segments
+from kvsqueeze.quant.integer import fake_quantize
+from kvsqueeze.spec import PRESETS
+
+N, H, D = 32, 2, 64
+
+
+def _kv(p, seed=0, h=H, d=D):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(p, h, N, d, generator=g) * torch.linspace(0.2, 3, d)  # uneven channels, as real keys
+    return k, torch.randn(p, h, N, d, generator=g)
+
+
+@pytest.mark.parametrize("name,preset", [("kivi-4", "kivi-4"), ("kivi-2", "kivi-2"), ("int8", "int8")])
+def test_pages_decode_to_what_the_preset_stores(name, preset):
+    """A page of 32 tokens is one KIVI key group: decoding equals the preset's own quantize-dequantize."""
+    fmt = paged_format(name)
+    k, v = _kv(3)
+    pages = fmt.encode(k, v)
+    assert pages.dtype == torch.uint8 and pages.shape == (3, H, fmt.page_bytes(N, D))
+    dk, dv = fmt.decode(pages, N, D)
+    spec = PRESETS[preset]
+    assert torch.equal(dk, fake_quantize(k, spec.key))
+    assert torch.equal(dv, fake_quantize(v, spec.value))
+
+
+def test_bits_per_element():
+    assert paged_format("kivi-4").bits_per_element(N, D) == 5.0  # 4 + fp16 scale+zero per 32 (tokens, channels)
+    assert paged_format("kivi-2").bits_per_element(N, D) == 3.0
+    assert paged_format("int8").bits_per_element(N, D) == 8.5
+    assert pool_bits_per_element(paged_format("kivi-4"), N, D) == 5.0
+    with pytest.raises(ValueError, match="allowed: kivi-4, kivi-2, int8"):
+        paged_format("kivi-3")
+
+
+def _fill(store, pool, k, v, blocks, chunks):
+    """Write one sequence's tokens k, v [T, H, D] into ``blocks`` in the given chunk lengths."""
+    t = 0
+    for c in chunks:
+        slots = torch.tensor([blocks[i // N] * N + i % N for i in range(t, t + c)])
+        store.write(pool, k[t:t + c], v[t:t + c], slots)
+        t += c
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_chunked_writes_give_the_same_pool(name):
+    fmt = paged_format(name)
+    T = 3 * N + 7
+    g = torch.Generator().manual_seed(1)
+    k, v = torch.randn(T, H, D, generator=g), torch.randn(T, H, D, generator=g)
+    pools = []
+    for chunks in ([T], [5, 40, 1, 1, T - 47], [1] * T):
+        pool = torch.zeros(6, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+        store = PagedStore(fmt, N, H, D)
+        _fill(store, pool, k, v, [4, 1, 3, 0], chunks)
+        assert set(store.partial) == {0}  # the last page (7 tokens) stays in full precision
+        assert torch.equal(store.partial[0][0, :, :7], k[3 * N:].transpose(0, 1))
+        pools.append(pool)
+    assert all(torch.equal(p, pools[0]) for p in pools[1:])
+    expect = fmt.encode(k[:3 * N].reshape(3, N, H, D).transpose(1, 2), v[:3 * N].reshape(3, N, H, D).transpose(1, 2))
+    assert torch.equal(pools[0][[4, 1, 3], :, : expect.shape[-1]], expect)
+
+
+def test_padding_slots_are_skipped_and_a_restarted_block_drops_its_stale_tokens():
+    fmt = paged_format("kivi-4")
+    pool = torch.zeros(2, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    x = torch.randn(3, H, D)
+    store.write(pool, x, x, torch.tensor([0, 1, -1]))
+    store.write(pool, x[:1], x[:1], torch.tensor([0]))  # block 0 reused from offset 0
+    assert torch.equal(store.partial[0][0, :, 1], torch.zeros(H, D))
+    with pytest.raises(RuntimeError, match="before its offset 0"):
+        store.write(pool, x[:1], x[:1], torch.tensor([N + 5]))
+
+
+def _reference(q, segments_k, segments_v, length, scale):
+    """kernels/reference.py over the decoded pages of one sequence: its queries are the last tokens."""
+    ql = q.shape[0]
+    kv_len = sum(k.shape[1] for k in segments_k)
+    pos_q = torch.arange(length - ql, length)
+    mask = (torch.arange(kv_len)[None, :] <= pos_q[:, None])[None, None]
+    segs, start = [], 0
+    for k, v in zip(segments_k, segments_v):
+        segs.append((start, k[None], v[None], False))
+        start += k.shape[1]
+    return attend_segments(q.transpose(0, 1)[None], segs, mask, scale)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("hq", [2, 6])  # MHA and GQA (3 query heads per KV head)
+def test_paged_attention_matches_the_reference(name, hq):
+    """Prefill chunks and decode steps of three sequences of different lengths (one ends on a page boundary),
+    attention read from the packed pages and the partial pages, against the reference over the same K/V."""
+    fmt = paged_format(name)
+    torch.manual_seed(0)
+    lens = [2 * N + 5, N, 3 * N + 17]
+    blocks = [[7, 2, 9], [4], [0, 8, 3, 5]]
+    pool = torch.zeros(10, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    ks = [torch.randn(t, H, D) for t in lens]
+    vs = [torch.randn(t, H, D) for t in lens]
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    for s, b in enumerate(blocks):
+        table[s, : len(b)] = torch.tensor(b)
+    scale = D ** -0.5
+    # step 1: each sequence's tokens but its last q_len are written; step 2 writes those and attends with them
+    qlens = [1, 20, 40]  # a decode step, and chunked-prefill continuations crossing pages
+    for s in range(3):
+        _fill(store, pool, ks[s], vs[s], blocks[s], [lens[s] - qlens[s]])
+    for s in range(3):
+        t0 = lens[s] - qlens[s]
+        slots = torch.tensor([blocks[s][i // N] * N + i % N for i in range(t0, lens[s])])
+        store.write(pool, ks[s][t0:], vs[s][t0:], slots)
+    q = torch.randn(sum(qlens), hq, D)
+    qsl = torch.tensor([0, 1, 21, 61])
+    got = paged_attention(q, store, pool, table, torch.tensor(lens), qsl, scale, pages_per_step=2)
+    for s in range(3):
+        n_full, tail = divmod(lens[s], N)
+        seg_k, seg_v = [], []
+        if n_full:
+            dk, dv = fmt.decode(pool[blocks[s][:n_full]], N, D)
+            seg_k.append(dk.transpose(0, 1).reshape(H, -1, D))
+            seg_v.append(dv.transpose(0, 1).reshape(H, -1, D))
+        if tail:  # the last, partial page is exact
+            seg_k.append(ks[s][n_full * N:].transpose(0, 1))
+            seg_v.append(vs[s][n_full * N:].transpose(0, 1))
+        ref = _reference(q[qsl[s]:qsl[s + 1]], seg_k, seg_v, lens[s], scale)
+        torch.testing.assert_close(got[qsl[s]:qsl[s + 1]], ref, atol=2e-5, rtol=2e-5)
+        # and the quantization is real: packed pages differ from the exact K/V
+        if n_full:
+            assert not torch.equal(seg_k[0], ks[s][: n_full * N].reshape(n_full, N, H, D).permute(2, 0, 1, 3)
+                                   .reshape(H, -1, D))
