@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import hybrid, invertible, kvquant, skvq, vllm_fp8
+from . import auto, hybrid, invertible, kvquant, skvq, vllm_fp8
 from .base import Job, Method
 
-_MODULES = (skvq, kvquant, hybrid, invertible, vllm_fp8)
+_MODULES = (skvq, kvquant, hybrid, invertible, vllm_fp8, auto)
 REGISTRY: dict[str, Method] = {m.METHOD.name: m.METHOD for m in _MODULES}
 
 
