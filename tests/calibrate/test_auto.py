@@ -1,0 +1,86 @@
+"""The method registry and --method auto: a per-layer, per-side format assignment at an average bit budget."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvsqueeze import QuantizedCache
+from kvsqueeze.calibrate import calibrate, load_artifact
+from kvsqueeze.calibrate.auto import candidates, cost_units, knapsack, window_kl
+from kvsqueeze.calibrate.collect import CalibrationData
+from kvsqueeze.calibrate.methods import REGISTRY, settings_from
+from kvsqueeze.calibrate.methods.auto import AutoSettings
+from kvsqueeze.eval.protocols import nll_decode, nll_window
+from kvsqueeze.quant import bits_per_element
+from kvsqueeze.spec import CacheSpec, QuantSpec
+
+
+def _ids(n: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(2, 256, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_registry_settings_are_frozen_and_refuse_foreign_options():
+    for m in REGISTRY.values():
+        s = m.settings()
+        assert s.method == m.name
+        with pytest.raises(AttributeError):  # frozen dataclass
+            object.__getattribute__(s, "__setattr__")(m.fields()[0].name, None)
+    with pytest.raises(ValueError, match="takes no --clip"):
+        settings_from("kvquant", {"clip": "group"})
+    assert settings_from("kvquant", {"key_bits": 3}).value_bits == 3.0  # values as wide as the keys
+    assert settings_from("invertible", {"grouping": "kivi"}, cli=True).key_group == 32
+
+
+def test_knapsack_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    costs = torch.rand(5, 4, generator=g).tolist()
+    units = torch.randint(1, 6, (5, 4), generator=g).tolist()
+    for budget in (8, 12, 17):
+        picks = knapsack(costs, units, budget)
+        best = min((sum(costs[i][j] for i, j in enumerate(p)), p) for p in itertools.product(range(4), repeat=5)
+                   if sum(units[i][j] for i, j in enumerate(p)) <= budget)
+        assert sum(units[i][j] for i, j in enumerate(picks)) <= budget
+        assert sum(costs[i][j] for i, j in enumerate(picks)) == pytest.approx(best[0])
+
+
+def test_candidate_costs_count_every_parameter():
+    for side in ("key", "value"):
+        for q in candidates(side, 64):
+            assert cost_units(q, 64) == pytest.approx(bits_per_element(q, 64) * 8)
+    assert cost_units(QuantSpec(fmt="rot", bits=2.875, axis="channel", group=128), 64) == 26  # rot-3's keys
+
+
+@pytest.fixture(scope="module")
+def auto_artifact(tiny_llama, tmp_path_factory):
+    data = CalibrationData(_ids(2, 320), {"source": "random ids (test)"})
+    art = calibrate(tiny_llama, data, AutoSettings(bits=3.0, window=128, sinks=2), "tiny", progress=False)
+    return art, art.save(tmp_path_factory.mktemp("art"))
+
+
+def test_auto_meets_the_budget_and_loads(auto_artifact, tiny_llama):
+    art, path = auto_artifact
+    loaded = load_artifact(path)
+    spec = loaded.cache_spec()
+    bits = [bits_per_element(q, 64) for pair in spec.layer_overrides for q in pair]
+    assert sum(bits) / len(bits) <= 3.0 + 1e-9
+    rec = art.layers[0]["key"].settings["auto"]
+    assert rec["first"]["kl"] is not None and rec["first"]["kl"] >= 0
+    # the artifact serves in both backends and the window protocol equals the real cache
+    ids = _ids(1, 300, seed=5)
+    w = nll_window(tiny_llama, ids, spec, prefix=150)
+    for backend in ("torch", "auto"):
+        d = nll_decode(tiny_llama, ids, QuantizedCache(tiny_llama.config, str(path), backend=backend), prefix=150)
+        assert torch.allclose(w, d, rtol=1e-4, atol=1e-4)
+
+
+def test_window_kl_is_zero_without_quantization_and_grows_with_fewer_bits(tiny_llama):
+    ids = _ids(1, 300, seed=3)
+    assert window_kl(tiny_llama, ids, [None, None]) == pytest.approx(0.0, abs=1e-7)
+    kl = []
+    for b in (4, 2):
+        q = QuantSpec(fmt="int", bits=b, axis="token", group=32)
+        kl.append(window_kl(tiny_llama, ids, [CacheSpec(key=q, value=q, window=128, sinks=2)] * 2))
+    assert 0 < kl[0] < kl[1]
