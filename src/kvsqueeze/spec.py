@@ -307,7 +307,7 @@ PRESETS: dict[str, CacheSpec] = {
 _SIDE = (r"(?:(?P<{p}b>\d)(?P<{p}ax>[tc])(?P<{p}g>\d+)?"
          r"|(?P<{p}rb>\d(?:\.\d+)?)(?P<{p}rot>rq|r)(?:c(?P<{p}rg>\d+))?)")
 _SPEC_RE = re.compile("^k" + _SIDE.format(p="k") + "-v" + _SIDE.format(p="v")
-                      + r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?$")
+                      + r"(?:-w(?P<w>\d+))?(?:-s(?P<s>\d+))?\Z", re.ASCII)  # no trailing newline, ASCII digits
 
 
 def preset(name: str | CacheSpec | dict) -> CacheSpec:
