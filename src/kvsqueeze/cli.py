@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "retrieval": ("retrieval", "passkey retrieval accuracy over context lengths and depths"),
     "speed": ("speed", "prefill time, decode ms/token and memory of a preset"),
     "bench": ("bench", "the main job: quality, retrieval, speed and memory of every preset and peer"),
+    "frontier": ("frontier", "perplexity against bits: per budget, the best kvsqueeze cache and the best peer"),
     "static-generate": ("static_generate", "greedy generation on ONNX Runtime through the static-shape KV manager"),
     "presets": ("presets", "list the named presets and their bits per element"),
     "calibrate": ("calibrate", "calibrate SKVQ / KVQuant-style / invertible-transform quantization and write an "

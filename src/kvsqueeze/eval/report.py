@@ -323,7 +323,9 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, flo
     return front
 
 
-def plot_ppl_vs_bits(results: dict[str, Any], path: Path) -> Path | None:
+def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bits_per_element") -> Path | None:
+    """Change of perplexity against bits per element, one panel per protocol.  ``bits_field``: the kv_bytes
+    field on the x axis (``quantized_bits_per_element``: the quantized part alone, as the frontier's budgets)."""
     panels = [(p, label) for p, label in (("decode", "decode protocol (all caches)"),
                                           ("window", "window protocol (kvsqueeze)"),
                                           ("all-quantized", "all-quantized protocol (kvsqueeze, vLLM)"))
@@ -339,7 +341,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path) -> Path | None:
         base = baseline(results, protocol)
         pts = []
         for name, r in results["ppl"][protocol].items():
-            bits, d = (r.get("kv_bytes") or {}).get("bits_per_element"), delta(r["ppl"], base)
+            bits, d = (r.get("kv_bytes") or {}).get(bits_field), delta(r["ppl"], base)
             if bits is None or d is None:
                 continue
             pts.append((bits, d))
@@ -355,7 +357,8 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path) -> Path | None:
             ax.set_yscale("symlog", linthresh=1.0)
             ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.axhline(0, color="black", lw=0.5)
-        ax.set_xlabel("bits per element (all metadata and full-precision parts)")
+        ax.set_xlabel("bits per element (all metadata and full-precision parts)" if bits_field == "bits_per_element"
+                      else "bits per element of the quantized part (all metadata)")
         ax.set_ylabel("ppl change vs full precision (%)")
         ax.set_title(label, fontsize=9)
     fig.suptitle("Perplexity vs storage (circles: kvsqueeze presets, triangles: peers)", fontsize=10)

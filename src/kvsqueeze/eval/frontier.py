@@ -1,0 +1,137 @@
+"""The quality frontier: at each bit budget, the best kvsqueeze cache against the best peer that fits it.
+
+Nothing is measured here that the bench does not measure: the caches go through :func:`bench.run_ppl_stage`
+(window and all-quantized protocols for kvsqueeze caches, the decode protocol for transformers' caches, with
+kvsqueeze's decode column computed by the window protocol with the same prefix, which equals real decoding
+through its cache) and :func:`bench.run_vllm_stage` for vLLM's (all-quantized).  This module only picks, per
+budget and protocol, the lowest perplexity among the caches whose bits per element of the quantized part (every
+scale, zero-point, centre and outlier counted, the full-precision window and sinks not) are within the budget,
+and writes the table (markdown + JSON) and the plot (:func:`report.plot_ppl_vs_bits`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..resolve import resolve_kv
+from . import meta, report
+
+BUDGETS = (2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
+PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-quanto-int2-axis1", "hf-quanto-int4-axis1", "vllm:fp8_e4m3")
+PROTOCOLS = ("window", "all-quantized", "decode")
+EPS = 1e-6  # bits compared to a budget: 3.0000001 from float sums still fits 3.0
+
+
+def usable(names: list[str]) -> tuple[list[str], list[str]]:
+    """The names that resolve here (a peer whose library or engine is missing does not), and one note per other."""
+    from .vllm_peer import check_runs_here, is_vllm
+
+    ok, skipped = [], []
+    for name in dict.fromkeys(names):
+        try:
+            kv = resolve_kv(name)
+            if is_vllm(kv):
+                check_runs_here([kv])
+        except Exception as exc:  # noqa: BLE001 - any reason a peer cannot run here is a skip note
+            skipped.append(f"{name}: {' '.join(str(exc).split())}")
+        else:
+            ok.append(name)
+    return ok, skipped
+
+
+def bits_of(r: dict[str, Any]) -> float | None:
+    """Bits per element of the quantized part (vLLM: its dtype's bits, where no bytes were counted)."""
+    b = r.get("quantized_bits_per_element")
+    if b is None:
+        b = (r.get("kv_bytes") or {}).get("quantized_bits_per_element")
+    return b if b is not None else r.get("bits_per_element")
+
+
+def best_at(column: dict[str, dict[str, Any]], budget: float, kinds: dict[str, str], kind: str
+            ) -> tuple[str, dict[str, Any]] | None:
+    """The lowest-ppl cache of ``kind`` ("preset" or "peer") in ``column`` within ``budget`` bits."""
+    fits = [(r["ppl"], name) for name, r in column.items()
+            if kinds.get(name) == kind and name != "full" and (b := bits_of(r)) is not None and b <= budget + EPS]
+    if not fits:
+        return None
+    _, name = min(fits)
+    return name, column[name]
+
+
+def frontier_rows(results: dict[str, Any], budgets: tuple[float, ...] = BUDGETS) -> list[dict[str, Any]]:
+    """Per budget and protocol: the best kvsqueeze cache and the best peer, their bits, ppl and change vs full."""
+    kinds = {c["name"]: c["kind"] for c in results["caches"]}
+    rows = []
+    for budget in budgets:
+        row: dict[str, Any] = {"budget": budget}
+        for protocol in PROTOCOLS:
+            column = results.get("ppl", {}).get(protocol, {})
+            base = report.baseline(results, protocol)
+            cell = {}
+            for kind, key in (("preset", "kvsqueeze"), ("peer", "peer")):
+                hit = best_at(column, budget, kinds, kind)
+                cell[key] = None if hit is None else {
+                    "kv": hit[0], "bits": bits_of(hit[1]), "ppl": hit[1]["ppl"],
+                    "delta_percent": report.delta(hit[1]["ppl"], base)}
+            ours, peer = cell["kvsqueeze"], cell["peer"]
+            cell["kvsqueeze_ahead"] = None if ours is None or peer is None else ours["ppl"] < peer["ppl"]
+            row[protocol] = cell
+        rows.append(row)
+    return rows
+
+
+def _cell(c: dict[str, Any] | None) -> str:
+    if c is None:
+        return "–"
+    d = "" if c["delta_percent"] is None else f" ({c['delta_percent']:+.2f}%)"
+    return f"`{c['kv']}` {c['bits']:.3f} b: {c['ppl']:.3f}{d}"
+
+
+def markdown(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
+    lines = ["| budget (bits) | window: best kvsqueeze | all-quantized: best kvsqueeze | decode: best kvsqueeze* "
+             "| decode: best peer | kvsqueeze ahead (decode) |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        ahead = row["decode"]["kvsqueeze_ahead"]
+        lines.append(f"| {row['budget']:g} | {_cell(row['window']['kvsqueeze'])} | "
+                     f"{_cell(row['all-quantized']['kvsqueeze'])} | {_cell(row['decode']['kvsqueeze'])} | "
+                     f"{_cell(row['decode']['peer'])} | {'–' if ahead is None else 'yes' if ahead else 'no'} |")
+    base = {p: report.baseline(results, p) for p in PROTOCOLS}
+    lines += ["", "Full precision: " + ", ".join(f"{p} {b:.3f}" for p, b in base.items() if b is not None) + ".",
+              "Bits: per element of the quantized part, every scale, zero-point, centre and outlier counted "
+              "(measured on the real cache); the full-precision window, sinks and a peer's residual are not.",
+              "*decode column of kvsqueeze caches: the window protocol with the same prefix (equal to decoding "
+              "through the real cache); peers decode token by token. An all-quantized peer (vLLM) appears in "
+              "that column only.", ""]
+    if results.get("skipped"):
+        lines += ["Skipped: " + "; ".join(results["skipped"]), ""]
+    return "\n".join(lines)
+
+
+def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float, ...], decode_tokens: int,
+                 out: Path, progress: bool = False, model_source: str | None = None, threads: int = 1,
+                 info: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure ``names`` (plus ``full``) on ``chunks`` and write frontier.md, frontier.json and frontier.png."""
+    from .bench import make_plan, not_measured, run_ppl_stage, run_vllm_stage
+    from .peers import describe
+
+    names, skipped = usable(["full", *names])
+    plan = make_plan(True, names, ppl_context=int(chunks.shape[1]), ppl_chunks=int(chunks.shape[0]),
+                     ppl_decode_tokens=decode_tokens)
+    results: dict[str, Any] = {"config": {"budgets": list(budgets), "caches": names,
+                                          "context": plan.ppl_context, "chunks": plan.ppl_chunks,
+                                          "decode_tokens": decode_tokens},
+                               "caches": describe(names), "skipped": skipped, "speed": {}}
+    results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
+    failed = run_vllm_stage(model, chunks, plan, progress, model_source, threads, results)
+    results["not_measured"] = not_measured(plan, failed)
+    results["skipped"] += [f"{n}: {why}" for n, why in failed.items()]
+    results["frontier"] = frontier_rows(results, budgets)
+    results["meta"] = {"threads": threads, "machine": meta.machine_info(), "date": meta.now(), **(info or {})}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.md").write_text(markdown(results["frontier"], results), encoding="utf-8")
+    meta.write_json_atomic(out / "frontier.json", results)
+    plot = report.plot_ppl_vs_bits(results, out / "frontier.png", bits_field="quantized_bits_per_element")
+    results["plot"] = None if plot is None else str(plot)
+    return results
+

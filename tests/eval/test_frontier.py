@@ -1,0 +1,48 @@
+"""kvsqueeze frontier on a tiny saved model: the measurements come from the bench's stages; the per-budget
+choice, the table, the JSON and the plot are checked here."""
+
+from __future__ import annotations
+
+import json
+
+from kvsqueeze.cli import main
+from kvsqueeze.eval.frontier import best_at, frontier_rows
+
+
+def _res(ppl_bits: dict[str, tuple[float, float]], kinds: dict[str, str]) -> dict:
+    col = {n: {"ppl": p, "quantized_bits_per_element": b} for n, (p, b) in ppl_bits.items()}
+    return {"caches": [{"name": n, "kind": k} for n, k in kinds.items()], "ppl": {"decode": col}}
+
+
+def test_best_at_respects_the_budget_and_kind():
+    res = _res({"full": (10.0, 16.0), "a": (10.5, 3.0), "b": (10.2, 3.25), "c": (12.0, 2.0), "p": (11.0, 2.5)},
+               {"full": "preset", "a": "preset", "b": "preset", "c": "preset", "p": "peer"})
+    kinds = {c["name"]: c["kind"] for c in res["caches"]}
+    col = res["ppl"]["decode"]
+    assert best_at(col, 3.0, kinds, "preset")[0] == "a"  # b is over budget, full never counts
+    assert best_at(col, 3.25, kinds, "preset")[0] == "b"
+    assert best_at(col, 1.9, kinds, "preset") is None
+    assert best_at(col, 3.0, kinds, "peer")[0] == "p"
+    rows = frontier_rows(res, (2.0, 2.5, 3.0))
+    assert [r["decode"]["kvsqueeze"]["kv"] for r in rows] == ["c", "c", "a"]
+    assert [r["decode"]["kvsqueeze_ahead"] for r in rows] == [None, False, True]
+    assert abs(rows[2]["decode"]["kvsqueeze"]["delta_percent"] - 5.0) < 1e-9
+
+
+def test_frontier_command_end_to_end(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "f"
+    assert main(["frontier", "--model", str(tiny_model_dir), "--text", str(tiny_corpus), "--kv", "kivi-2,int4",
+                 "--peers", "hf-quanto-int4,vllm:fp8_e4m3", "--budgets", "3,5", "--context", "300", "--chunks",
+                 "1", "--decode-tokens", "8", "--threads", "1", "--out", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "| budget (bits) |" in printed
+    assert {p.name for p in out.iterdir()} == {"frontier.md", "frontier.json", "frontier.png"}
+    res = json.loads((out / "frontier.json").read_text())
+    rows = {r["budget"]: r for r in res["frontier"]}
+    assert rows[3.0]["window"]["kvsqueeze"]["kv"] == "kivi-2"  # int4 is 4.5 bits: over the 3-bit budget
+    assert rows[5.0]["window"]["kvsqueeze"]["kv"] in {"kivi-2", "int4"}
+    assert rows[5.0]["decode"]["peer"]["kv"] == "hf-quanto-int4"
+    assert set(res["ppl"]["window"]) == {"full", "kivi-2", "int4"}
+    # vLLM is not installed on every machine: where it is not, a skip note instead of a failure
+    names = {c["name"] for c in res["caches"]}
+    assert "vllm:fp8_e4m3" in names or any(s.startswith("vllm:fp8_e4m3") for s in res["skipped"])
