@@ -46,3 +46,22 @@ def test_frontier_command_end_to_end(tiny_model_dir, tiny_corpus, tmp_path, caps
     # vLLM is not installed on every machine: where it is not, a skip note instead of a failure
     names = {c["name"] for c in res["caches"]}
     assert "vllm:fp8_e4m3" in names or any(s.startswith("vllm:fp8_e4m3") for s in res["skipped"])
+
+
+def test_frontier_add_to_measures_only_the_new_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "f"
+    common = ["frontier", "--model", str(tiny_model_dir), "--text", str(tiny_corpus), "--peers", "hf-quanto-int2",
+              "--budgets", "3,4", "--context", "200", "--chunks", "1", "--decode-tokens", "4", "--threads", "1",
+              "--out", str(out), "--no-progress"]
+    assert main([*common, "--kv", "kivi-2"]) == 0
+    first = json.loads((out / "frontier.json").read_text())
+    assert main([*common, "--kv", "kivi-2,kivi-3", "--add-to"]) == 0
+    res = json.loads((out / "frontier.json").read_text())
+    assert res["ppl"]["window"]["kivi-2"] == first["ppl"]["window"]["kivi-2"]  # kept, not re-measured
+    assert set(res["ppl"]["window"]) == {"full", "kivi-2", "kivi-3"}
+    assert [c["name"] for c in res["caches"]] == ["full", "kivi-2", "hf-quanto-int2", "kivi-3"]
+    assert {r["budget"]: r["window"]["kvsqueeze"]["kv"] for r in res["frontier"]}[3.0] == "kivi-2"
+    capsys.readouterr()
+    other = [("100" if a == "200" else a) for a in common]  # another context: other chunks
+    assert main([*other, "--kv", "kivi-3", "--add-to"]) == 2  # refused in one line
+    assert "--add-to" in capsys.readouterr().err

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens decoded one at a time at the end of each chunk (decode column, where the peers "
                         "are measured; default 128)")
     p.add_argument("--out", default="frontier", help="writes OUT/frontier.md, frontier.json, frontier.png")
+    p.add_argument("--add-to", action="store_true",
+                   help="OUT already holds a frontier.json of the same model, chunks and decode tokens: keep its "
+                        "measurements and measure only the caches it lacks (e.g. a new calibration artifact)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -65,9 +68,14 @@ def run(args: argparse.Namespace) -> int:
     info = {"command": meta.command_line(args), "model": meta.model_info(model, args.model),
             "corpus": {**corpus.describe(), "tokens": int(ids.numel())}}
     out = Path(args.out)
+    previous = None
+    if args.add_to:
+        import json
+
+        previous = json.loads((out / "frontier.json").read_text(encoding="utf-8"))
     res = run_frontier(model, chunks, [*caches, *(args.peers if args.peers is not None else PEERS)],
                        tuple(args.budgets), args.decode_tokens, out, progress=not args.no_progress,
-                       model_source=args.model, threads=threads, info=info)
+                       model_source=args.model, threads=threads, info=info, previous=previous)
     for note in res["skipped"]:
         print(f"  skipped {note}")
     print((out / "frontier.md").read_text(encoding="utf-8"))

@@ -108,26 +108,56 @@ def markdown(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _same_setting(previous: dict[str, Any], chunks: Any, decode_tokens: int, info: dict[str, Any]) -> None:
+    cfg, corpus = previous["config"], previous.get("meta", {}).get("corpus", {})
+    here = (int(chunks.shape[1]), int(chunks.shape[0]), decode_tokens, (info.get("corpus") or {}).get("sha256"),
+            (info.get("model") or {}).get("name"))
+    there = (cfg["context"], cfg["chunks"], cfg["decode_tokens"], corpus.get("sha256"),
+             previous.get("meta", {}).get("model", {}).get("name"))
+    if here != there:
+        raise ValueError(f"--add-to: the earlier frontier was measured with (context, chunks, decode tokens, corpus "
+                         f"sha256, model) = {there}, this run with {here}; measure into a new --out")
+
+
 def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float, ...], decode_tokens: int,
                  out: Path, progress: bool = False, model_source: str | None = None, threads: int = 1,
-                 info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Measure ``names`` (plus ``full``) on ``chunks`` and write frontier.md, frontier.json and frontier.png."""
+                 info: dict[str, Any] | None = None, previous: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure ``names`` (plus ``full``) on ``chunks`` and write frontier.md, frontier.json and frontier.png.
+
+    ``previous``: an earlier frontier.json of the same chunks, model and decode tokens; its measurements are
+    kept and only the caches it lacks are measured (a calibration artifact added to an existing frontier)."""
     from .bench import make_plan, not_measured, run_ppl_stage, run_vllm_stage
     from .peers import describe
 
+    info = info or {}
     names, skipped = usable(["full", *names])
-    plan = make_plan(True, names, ppl_context=int(chunks.shape[1]), ppl_chunks=int(chunks.shape[0]),
+    done: set[str] = set()
+    if previous is not None:
+        _same_setting(previous, chunks, decode_tokens, info)
+        done = {c["name"] for c in previous["caches"]}
+    todo = [n for n in names if n not in done]
+    plan = make_plan(True, todo or ["full"], ppl_context=int(chunks.shape[1]), ppl_chunks=int(chunks.shape[0]),
                      ppl_decode_tokens=decode_tokens)
     results: dict[str, Any] = {"config": {"budgets": list(budgets), "caches": names,
                                           "context": plan.ppl_context, "chunks": plan.ppl_chunks,
                                           "decode_tokens": decode_tokens},
-                               "caches": describe(names), "skipped": skipped, "speed": {}}
-    results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
-    failed = run_vllm_stage(model, chunks, plan, progress, model_source, threads, results)
-    results["not_measured"] = not_measured(plan, failed)
+                               "caches": describe(todo), "skipped": skipped, "speed": {}, "ppl": {}}
+    if todo:
+        results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
+    failed = run_vllm_stage(model, chunks, plan, progress, model_source, threads, results) if todo else {}
+    results["not_measured"] = not_measured(plan, failed) if todo else {}
     results["skipped"] += [f"{n}: {why}" for n, why in failed.items()]
+    if previous is not None:  # earlier measurements first, this run's added
+        old = [c for c in previous["caches"]]
+        results["caches"] = old + [c for c in results["caches"] if c["name"] not in done]
+        results["config"]["caches"] = [c["name"] for c in results["caches"]]
+        for protocol, column in previous.get("ppl", {}).items():
+            results["ppl"][protocol] = {**column, **{k: v for k, v in results["ppl"].get(protocol, {}).items()
+                                                     if k not in column}}
+        results["not_measured"] = {**previous.get("not_measured", {}), **results["not_measured"]}
+        results["skipped"] = list(dict.fromkeys(previous.get("skipped", []) + results["skipped"]))
     results["frontier"] = frontier_rows(results, budgets)
-    results["meta"] = {"threads": threads, "machine": meta.machine_info(), "date": meta.now(), **(info or {})}
+    results["meta"] = {"threads": threads, "machine": meta.machine_info(), "date": meta.now(), **info}
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.md").write_text(markdown(results["frontier"], results), encoding="utf-8")
     meta.write_json_atomic(out / "frontier.json", results)
