@@ -85,7 +85,8 @@ def _cell(c: dict[str, Any] | None) -> str:
     if c is None:
         return "–"
     d = "" if c["delta_percent"] is None else f" ({c['delta_percent']:+.2f}%)"
-    return f"`{c['kv']}` {c['bits']:.3f} b: {c['ppl']:.3f}{d}"
+    name = Path(c["kv"]).name if "/" in c["kv"] else c["kv"]  # an artifact directory: its name
+    return f"`{name}` {c['bits']:.3f} b: {c['ppl']:.3f}{d}"
 
 
 def markdown(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
