@@ -15,19 +15,25 @@
   the block stores as their fast encoder.  Kernels never see a cache or a codec.
 * Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so a patched model's results
   never change for other caches.
+* The cache argument's name: transformers 5.24 renamed ``past_key_values=`` of ``forward``/``generate`` to
+  ``cache=`` (the old name warns, removal announced for 5.40).  :func:`cache_kwargs` and :func:`output_cache` are
+  how the rest of kvsqueeze passes a cache and reads it back, naming it as the model's own signature does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -43,6 +49,47 @@ from .spec import CacheSpec
 ATTN_NAME = "kvsqueeze"
 TRIM_AFTER_TOKENS = 64  # steps with at least this many new tokens end by returning freed heap pages (kvsqueeze.heap)
 _TAG = "_kvsqueeze_layer"
+
+
+# ---------------------------------------------------------------------------------------------- cache argument
+@functools.cache
+def _default_cache_arg() -> str:
+    """The name this transformers' generation code uses (read once from its own signature)."""
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@functools.cache
+def _cache_arg_of(cls: type) -> str:
+    # the signature sees through transformers' decorators (functools.wraps); a model class written before the rename
+    # (remote code) still names past_key_values and is served that way
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return _default_cache_arg()
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    return _default_cache_arg()
+
+
+def cache_arg(model=None) -> str:
+    """``"cache"`` where the model's ``forward`` (and so ``generate``) takes it, else ``"past_key_values"``."""
+    return _default_cache_arg() if model is None else _cache_arg_of(type(model))
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``model(**cache_kwargs(model, cache), ...)`` / ``model.generate(..., **cache_kwargs(model, cache))``: the
+    cache under the name this transformers expects, so no deprecation warning on new versions and no
+    TypeError on old ones."""
+    return {cache_arg(model): cache}
+
+
+def output_cache(out):
+    """The cache a forward returned (``out.cache`` on transformers with the rename; reading ``past_key_values``
+    there warns)."""
+    return getattr(out, "cache" if hasattr(type(out), "cache") else "past_key_values", None)
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -310,10 +357,11 @@ class KVBytes(ByteTotals):
 class QuantizedCache(Cache):
     """A quantized KV cache for transformers models.
 
-    ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
-    forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Each forward
-    step that uses the cache routes the model's attention through kvsqueeze and restores it afterwards (see the
-    module docstring); nothing about the model or its config changes for good.
+    ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., cache=cache)`` (``past_key_values=cache``
+    on transformers before the rename; :func:`cache_kwargs` picks the name) or a manual forward loop.  ``spec`` is
+    a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Each forward step that uses the cache
+    routes the model's attention through kvsqueeze and restores it afterwards (see the module docstring); nothing
+    about the model or its config changes for good.
     ``spec`` may also be the path of a calibration artifact directory written by ``kvsqueeze calibrate``.
     ``backend`` picks the attention kernel: ``auto`` (fastest available), ``torch`` (reference), ``cpu``, ``triton``.
     """

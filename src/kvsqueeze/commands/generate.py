@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from kvsqueeze.adapter import QuantizedCache
+    from kvsqueeze.adapter import QuantizedCache, cache_kwargs
     from kvsqueeze.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = tok(text, return_tensors="pt", add_special_tokens=args.raw or not getattr(tok, "chat_template", None))
     sample = args.temperature > 0
     with torch.no_grad():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=sample,
+        model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature if sample else None, top_p=None, top_k=None,
                        streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
                        pad_token_id=tok.pad_token_id, prefill_chunk_size=args.prefill_chunk or None)
