@@ -18,6 +18,7 @@
 * The cache argument's name: transformers 5.24 renamed ``past_key_values=`` of ``forward``/``generate`` to
   ``cache=`` (the old name warns, removal announced for 5.40).  :func:`cache_kwargs` and :func:`output_cache` are
   how the rest of kvsqueeze passes a cache and reads it back, naming it as the model's own signature does.
+* Each attention step records the path it ran on (:func:`attention_paths`), for reports.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import functools
 import importlib
 import inspect
 import os
+import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -153,13 +156,17 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
     softcap = kwargs.get("softcap")
     try:
         if softcap is not None:  # attention-logit soft-capping (Gemma-2): only the reference kernel applies it
+            _count_path(layer, "reference")
             out = reference.attend(query, layer.plan(), attention_mask, scaling, softcap=softcap)
         elif layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
+            _count_path(layer, "sdpa")
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
             if layer.attend is None:
                 layer.attend = resolve_backend(layer.backend, query.device)
-            out = layer.attend(query, layer.plan(), attention_mask, scaling)
+            plan = layer.plan()
+            _count_path(layer, _kernel_path(layer.attend, query, plan))
+            out = layer.attend(query, plan, attention_mask, scaling)
         layer.finish_step()  # commits this layer now (quantizing what left the window); undone if the step fails
     except BaseException:
         if layer.step is not None:
@@ -176,6 +183,46 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         if query.shape[2] >= TRIM_AFTER_TOKENS:  # a prompt chunk's activations are freed: hand their pages back
             release_freed_memory()
     return out.transpose(1, 2).contiguous(), None
+
+
+def _kernel_path(attend: Callable, query, plan) -> str:
+    """What the attend function will run for this step (its module's ``path``), e.g. 'cpu-kernel avx2'."""
+    mod = sys.modules.get(getattr(attend, "__module__", ""), None)
+    fn = getattr(mod, "path", None)
+    return fn(query, plan) if fn is not None else getattr(attend, "__qualname__", "custom")
+
+
+def _count_path(layer, name: str) -> None:
+    # per layer, per step: a Counter on the LayerKV, read by attention_paths()
+    paths = getattr(layer, "paths", None)
+    if paths is None:
+        paths = layer.paths = Counter()
+    paths[name] += 1
+
+
+def attention_paths(cache, model=None) -> dict[str, int]:
+    """Layer-steps per attention path a cache ran on so far: ``{'cpu-kernel avx512-vnni': 960, 'sdpa': 30}`` for a
+    kvsqueeze cache ('sdpa' counts prompts with nothing stored yet, 'reference' the pure-torch kernel); for any
+    other cache the model's own attention implementation (e.g. ``{'sdpa': 0}``), where ``model`` is given."""
+    if isinstance(cache, QuantizedCache):
+        tot: Counter = Counter()
+        for layer in cache.layers:
+            tot.update(getattr(layer.kv, "paths", None) or {})
+        return dict(tot.most_common())
+    if model is not None:
+        return {str(model.config.get_text_config(decoder=True)._attn_implementation or "eager"): 0}
+    return {}
+
+
+def describe_paths(paths: dict[str, int]) -> str:
+    """'cpu-kernel avx2' for the decode path, the others after it with their share: for one report line."""
+    if not paths:
+        return "n/a"
+    total = sum(paths.values())
+    main = [k for k in paths if k != "sdpa"] or list(paths)  # a prompt's SDPA is not the cache's path
+    if len(main) == 1 or not total:
+        return main[0]
+    return ", ".join(f"{k} {100 * paths[k] / total:.0f}%" for k in paths)
 
 
 def _attend_new_only(query, key, value, mask, scaling):

@@ -95,7 +95,7 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
                   seed: int = 0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """Prefill a ``context``-token random prompt (``batch`` rows; ``prefill_chunk`` tokens per forward pass, 0 = one
     pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes."""
-    from ..adapter import cache_kwargs
+    from ..adapter import attention_paths, cache_kwargs, describe_paths
     from .peers import footprint, make_cache, prefill
 
     if context < 1 or decode_tokens < 1 or batch < 1:
@@ -129,6 +129,7 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
                 nxt = head(h[:, -1]).argmax(-1, keepdim=True)
                 _sync(cuda)
     kv_bytes = footprint(cache)
+    paths = attention_paths(cache, model)
     return {
         "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch, "prefill_chunk": prefill_chunk,
         "prefill_s": prefill_s[0],
@@ -142,4 +143,6 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
         "cuda_peak_allocated_delta_bytes": torch.cuda.max_memory_allocated() - cuda_start if cuda else None,
         "kv_bytes": kv_bytes.as_dict(),
         "threads": torch.get_num_threads(),
+        # what the timed steps ran on ('sdpa': transformers' own attention, for peers and prompts)
+        "attention_path": describe_paths(paths), "attention_paths": paths,
     }
