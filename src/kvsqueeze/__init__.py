@@ -4,7 +4,7 @@
     model, tok = kvsqueeze.load_model()                      # the embedded SmolLM2-135M
     cache = kvsqueeze.QuantizedCache(model.config, "kivi-2")
     model.generate(**tok("Hello", return_tensors="pt"), **kvsqueeze.cache_kwargs(model, cache), max_new_tokens=32)
-    print(cache.nbytes().summary())
+    print(cache.summary())
 
 ``resolve_kv(x)`` is what every cache name goes through (presets, spec strings, JSON, calibration artifact
 directories, registered peers); every error kvsqueeze raises for bad input is a ``KvsqueezeError``.

@@ -515,5 +515,24 @@ class QuantizedCache(Cache):
         return KVBytes(tot["codes"], tot["params"], tot["fp"], tot["allocated"], tot["elements"],
                        tot["quantized_elements"])
 
+    def token_summary(self) -> str:
+        """Where the tokens sit: how many are stored quantized, how many are still in the full-precision window, and
+        at which length quantization starts (sliding-window layers evict old tokens instead)."""
+        n, spec = self.get_seq_length(), self.spec
+        if not spec.quantized:
+            return f"{n} tokens, all full precision"
+        q = spec.quantized_count(n)
+        sinks = min(n, spec.sinks)
+        sink_txt = f" and {sinks} attention sinks" if spec.sinks else ""
+        if q == 0:
+            start = spec.sinks + spec.window + spec.flush_tokens
+            return (f"{n} tokens, all in the {spec.window}-token full-precision window{sink_txt}: quantization "
+                    f"starts at {start} tokens, {spec.flush_tokens} at a time")
+        return f"{n} tokens: {q} quantized, {n - q - sinks} in the {spec.window}-token full-precision window{sink_txt}"
+
+    def summary(self) -> str:
+        """One line for people: :meth:`token_summary`, then the exact bytes (:meth:`KVBytes.summary`)."""
+        return f"{self.token_summary()}; {self.nbytes().summary()}"
+
     def __repr__(self) -> str:
         return f"kvsqueeze.QuantizedCache({self.spec.name}: {self.spec.label()}, layers={len(self.layers)})"
