@@ -178,7 +178,7 @@ def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType 
                 build_dir = _build_directory(name)
                 with _build_lock(build_dir):
                     ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
-                               extra_cflags=_flags(isa), extra_ldflags=_LDFLAGS)
+                               extra_cflags=_flags(isa), extra_ldflags=list(_LDFLAGS))  # load() appends to it
             except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
                 _failed[isa] = f"{type(err).__name__}: {err}"
                 warnings.warn(f"kvsqueeze: the C++ attention kernel ({isa}) could not be built "
