@@ -163,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if k.get("build_dir"):
         print(f"  build folder: {k['build_dir']}")
     gpu = f"{cu['gpu']} (compute {cu['capability']}, {cu['memory_gib']} GiB)" if cu["available"] else "none"
-    print(f"CUDA: {'available' if cu['available'] else 'not available'} (torch built for CUDA "
-          f"{cu['torch_cuda'] or '-: a CPU build'}); GPU: {gpu}")
+    build = f"torch built for CUDA {cu['torch_cuda']}" if cu["torch_cuda"] else "a CPU build of torch"
+    print(f"CUDA: {'available' if cu['available'] else 'not available'} ({build}); GPU: {gpu}")
     print(f"Triton: {tr['version'] or 'not installed'}"
           + ("" if not tr["installed"] else f", {'usable' if tr['usable'] else 'not usable here'}"
              f"{' (interpreter, TRITON_INTERPRET=1)' if tr['interpreter'] else ''}"))
