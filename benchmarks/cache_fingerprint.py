@@ -34,12 +34,14 @@ def _digest(*tensors: torch.Tensor) -> str:
 
 
 def _run_cache(model, ids: torch.Tensor, cache, prompt: int) -> tuple[str, dict]:
+    from kvsqueeze.adapter import cache_kwargs
+
     outs = []
     with torch.no_grad():
-        out = model(ids[:, :prompt], past_key_values=cache, use_cache=True)
+        out = model(ids[:, :prompt], **cache_kwargs(model, cache), use_cache=True)
         outs.append(out.logits[:, -1])
         for t in range(prompt, ids.shape[1]):
-            out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            out = model(ids[:, t:t + 1], **cache_kwargs(model, cache), use_cache=True)
             outs.append(out.logits[:, -1])
     nb = cache.nbytes()
     return _digest(torch.stack(outs)), {"codes": nb.codes, "params": nb.params, "fp": nb.full_precision}

@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def prefill_seconds(model, ids: torch.Tensor, spec: str, backend: str, chunk: int) -> float:
-    from kvsqueeze import QuantizedCache
+    from kvsqueeze import QuantizedCache, cache_kwargs
 
     cache = QuantizedCache(model.config, spec, backend=backend)
     start = time.perf_counter()
     with torch.no_grad():
         for s in range(0, ids.shape[1], chunk):
-            model(input_ids=ids[:, s:s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, s:s + chunk], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     return time.perf_counter() - start
 
 

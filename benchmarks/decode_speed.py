@@ -74,6 +74,8 @@ def fill_from(cache, name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor
 @torch.inference_mode()
 def run_context(model, names: list[str], context: int, steps: int, backend: str, seed: int,
                 copy_prefill: bool = False, prefill_repeats: int = 1, batch: int = 1) -> dict:
+    from kvsqueeze.adapter import cache_kwargs
+
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     prompt = torch.randint(100, vocab - 100, (batch, context), generator=g)
@@ -82,7 +84,7 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
     warm = prompt[:, :128]
     for name in names:  # warm-up: the first forward of each cache kind pays one-off costs (allocator, kernels)
         set_attention(model, name)
-        model(warm, past_key_values=make_cache(name, model, backend), use_cache=True, logits_to_keep=1)
+        model(warm, **cache_kwargs(model, make_cache(name, model, backend)), use_cache=True, logits_to_keep=1)
     gc.collect()
     for _ in range(1 if copy_prefill else prefill_repeats):  # rounds interleave the caches; the fastest counts
         for name in names:  # prefill, one cache at a time (each holds its own copy of the context)
@@ -96,7 +98,7 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
             gc.collect()
             set_attention(model, name)
             t = time.perf_counter()
-            out = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            out = model(prompt, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1).logits
             dt = time.perf_counter() - t
             best = min(dt, state.get(name, {}).get("prefill", float("inf")))
             state[name] = {"cache": cache, "next": out[:, -1:].argmax(-1), "prefill": best, "steps": [],
@@ -116,7 +118,7 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
             pos = torch.tensor([st["pos"]])
 
             def step(st=st, pos=pos):
-                return model(st["next"], past_key_values=st["cache"], use_cache=True, cache_position=pos).logits
+                return model(st["next"], **cache_kwargs(model, st["cache"]), use_cache=True, cache_position=pos).logits
 
             out, dt = timed(step)
             st["steps"].append(dt)

@@ -25,10 +25,10 @@ PRESETS = ("int8", "int4", "int2", "kivi-4", "kivi-2", "kivi-2-sink4", "rot-3")
 
 def greedy(model, ids: torch.Tensor, spec: str, backend: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [steps], logits [steps, vocab]) of greedy decoding with a kvsqueeze cache."""
-    from kvsqueeze.adapter import QuantizedCache
+    from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 
     cache = QuantizedCache(model.config, spec, backend=backend)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+    out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences[0, ids.shape[1]:], torch.stack(out.logits)[:, 0].float()
 

@@ -92,9 +92,9 @@ def job_hf(prompt_ids: list[int], n: int, threads: int, spec: str | None) -> dic
                   temperature=None, pad_token_id=tok.pad_token_id, return_dict_in_generate=True, output_logits=True,
                   logits_processor=LogitsProcessorList([stamp]))
         if spec:
-            from kvsqueeze.adapter import QuantizedCache
+            from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 
-            kw["past_key_values"] = QuantizedCache(model.config, spec)
+            kw |= cache_kwargs(model, QuantizedCache(model.config, spec))
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(ids, **kw)

@@ -97,9 +97,11 @@ def test_shared_options_have_one_definition_and_one_default():
     with_model = [c for c in COMMANDS if _option(c, "--model")]
     with_threads = [c for c in COMMANDS if _option(c, "--threads")]
     with_json = [c for c in COMMANDS if _option(c, "--json")]
-    assert with_model == ["generate", "ppl", "retrieval", "speed", "bench", "frontier", "static-generate", "calibrate", "export"]
-    assert with_threads == ["generate", "ppl", "retrieval", "speed", "bench", "frontier", "static-generate", "calibrate"]
-    assert with_json == ["ppl", "retrieval", "speed"]
+    assert with_model == ["generate", "ppl", "retrieval", "speed", "bench", "frontier", "static-generate", "calibrate",
+                          "export"]
+    assert with_threads == ["generate", "ppl", "retrieval", "speed", "bench", "frontier", "static-generate",
+                            "calibrate"]
+    assert with_json == ["ppl", "retrieval", "speed", "env"]
     for c in with_model:
         assert _parsed(c).model is None
     for c in with_threads:

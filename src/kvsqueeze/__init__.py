@@ -3,8 +3,8 @@
     import kvsqueeze
     model, tok = kvsqueeze.load_model()                      # the embedded SmolLM2-135M
     cache = kvsqueeze.QuantizedCache(model.config, "kivi-2")
-    model.generate(**tok("Hello", return_tensors="pt"), past_key_values=cache, max_new_tokens=32)
-    print(cache.nbytes().summary())
+    model.generate(**tok("Hello", return_tensors="pt"), **kvsqueeze.cache_kwargs(model, cache), max_new_tokens=32)
+    print(cache.summary())
 
 ``resolve_kv(x)`` is what every cache name goes through (presets, spec strings, JSON, calibration artifact
 directories, registered peers); every error kvsqueeze raises for bad input is a ``KvsqueezeError``.
@@ -22,6 +22,7 @@ _LAZY = {
     "QuantizedCache": ("kvsqueeze.adapter", "QuantizedCache"),
     "KVBytes": ("kvsqueeze.adapter", "KVBytes"),
     "patch": ("kvsqueeze.adapter", "patch"),
+    "cache_kwargs": ("kvsqueeze.adapter", "cache_kwargs"),
     "load_model": ("kvsqueeze.models", "load_model"),
     "resolve_kv": ("kvsqueeze.resolve", "resolve_kv"),  # reads artifacts: imports torch
 }

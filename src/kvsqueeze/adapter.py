@@ -15,19 +15,28 @@
   the block stores as their fast encoder.  Kernels never see a cache or a codec.
 * Untagged K/V (a model run without our cache) are passed to transformers' SDPA, so a patched model's results
   never change for other caches.
+* The cache argument's name: transformers 5.24 renamed ``past_key_values=`` of ``forward``/``generate`` to
+  ``cache=`` (the old name warns, removal announced for 5.40).  :func:`cache_kwargs` and :func:`output_cache` are
+  how the rest of kvsqueeze passes a cache and reads it back, naming it as the model's own signature does.
+* Each attention step records the path it ran on (:func:`attention_paths`), for reports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
+import inspect
 import os
+import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.generation import GenerationMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
@@ -43,6 +52,47 @@ from .spec import CacheSpec
 ATTN_NAME = "kvsqueeze"
 TRIM_AFTER_TOKENS = 64  # steps with at least this many new tokens end by returning freed heap pages (kvsqueeze.heap)
 _TAG = "_kvsqueeze_layer"
+
+
+# ---------------------------------------------------------------------------------------------- cache argument
+@functools.cache
+def _default_cache_arg() -> str:
+    """The name this transformers' generation code uses (read once from its own signature)."""
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@functools.cache
+def _cache_arg_of(cls: type) -> str:
+    # the signature sees through transformers' decorators (functools.wraps); a model class written before the rename
+    # (remote code) still names past_key_values and is served that way
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return _default_cache_arg()
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    return _default_cache_arg()
+
+
+def cache_arg(model=None) -> str:
+    """``"cache"`` where the model's ``forward`` (and so ``generate``) takes it, else ``"past_key_values"``."""
+    return _default_cache_arg() if model is None else _cache_arg_of(type(model))
+
+
+def cache_kwargs(model, cache) -> dict:
+    """``model(**cache_kwargs(model, cache), ...)`` / ``model.generate(..., **cache_kwargs(model, cache))``: the
+    cache under the name this transformers expects, so no deprecation warning on new versions and no
+    TypeError on old ones."""
+    return {cache_arg(model): cache}
+
+
+def output_cache(out):
+    """The cache a forward returned (``out.cache`` on transformers with the rename; reading ``past_key_values``
+    there warns)."""
+    return getattr(out, "cache" if hasattr(type(out), "cache") else "past_key_values", None)
 
 
 # ---------------------------------------------------------------------------------------------- backends
@@ -106,13 +156,17 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
     softcap = kwargs.get("softcap")
     try:
         if softcap is not None:  # attention-logit soft-capping (Gemma-2): only the reference kernel applies it
+            _count_path(layer, "reference")
             out = reference.attend(query, layer.plan(), attention_mask, scaling, softcap=softcap)
         elif layer.n_total == layer.first_visible:  # nothing stored is visible: a prompt
+            _count_path(layer, "sdpa")
             out = _attend_new_only(query, key, value, attention_mask, scaling)
         else:
             if layer.attend is None:
                 layer.attend = resolve_backend(layer.backend, query.device)
-            out = layer.attend(query, layer.plan(), attention_mask, scaling)
+            plan = layer.plan()
+            _count_path(layer, _kernel_path(layer.attend, query, plan))
+            out = layer.attend(query, plan, attention_mask, scaling)
         layer.finish_step()  # commits this layer now (quantizing what left the window); undone if the step fails
     except BaseException:
         if layer.step is not None:
@@ -129,6 +183,46 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         if query.shape[2] >= TRIM_AFTER_TOKENS:  # a prompt chunk's activations are freed: hand their pages back
             release_freed_memory()
     return out.transpose(1, 2).contiguous(), None
+
+
+def _kernel_path(attend: Callable, query, plan) -> str:
+    """What the attend function will run for this step (its module's ``path``), e.g. 'cpu-kernel avx2'."""
+    mod = sys.modules.get(getattr(attend, "__module__", ""), None)
+    fn = getattr(mod, "path", None)
+    return fn(query, plan) if fn is not None else getattr(attend, "__qualname__", "custom")
+
+
+def _count_path(layer, name: str) -> None:
+    # per layer, per step: a Counter on the LayerKV, read by attention_paths()
+    paths = getattr(layer, "paths", None)
+    if paths is None:
+        paths = layer.paths = Counter()
+    paths[name] += 1
+
+
+def attention_paths(cache, model=None) -> dict[str, int]:
+    """Layer-steps per attention path a cache ran on so far: ``{'cpu-kernel avx512-vnni': 960, 'sdpa': 30}`` for a
+    kvsqueeze cache ('sdpa' counts prompts with nothing stored yet, 'reference' the pure-torch kernel); for any
+    other cache the model's own attention implementation (e.g. ``{'sdpa': 0}``), where ``model`` is given."""
+    if isinstance(cache, QuantizedCache):
+        tot: Counter = Counter()
+        for layer in cache.layers:
+            tot.update(getattr(layer.kv, "paths", None) or {})
+        return dict(tot.most_common())
+    if model is not None:
+        return {str(model.config.get_text_config(decoder=True)._attn_implementation or "eager"): 0}
+    return {}
+
+
+def describe_paths(paths: dict[str, int]) -> str:
+    """'cpu-kernel avx2' for the decode path, the others after it with their share: for one report line."""
+    if not paths:
+        return "n/a"
+    total = sum(paths.values())
+    main = [k for k in paths if k != "sdpa"] or list(paths)  # a prompt's SDPA is not the cache's path
+    if len(main) == 1 or not total:
+        return main[0]
+    return ", ".join(f"{k} {100 * paths[k] / total:.0f}%" for k in paths)
 
 
 def _attend_new_only(query, key, value, mask, scaling):
@@ -310,10 +404,11 @@ class KVBytes(ByteTotals):
 class QuantizedCache(Cache):
     """A quantized KV cache for transformers models.
 
-    ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., past_key_values=cache)`` or a manual
-    forward loop.  ``spec`` is a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Each forward
-    step that uses the cache routes the model's attention through kvsqueeze and restores it afterwards (see the
-    module docstring); nothing about the model or its config changes for good.
+    ``QuantizedCache(model.config, "kivi-2")`` then ``model.generate(..., cache=cache)`` (``past_key_values=cache``
+    on transformers before the rename; :func:`cache_kwargs` picks the name) or a manual forward loop.  ``spec`` is
+    a preset name, a spec string or a :class:`~kvsqueeze.spec.CacheSpec`.  Each forward step that uses the cache
+    routes the model's attention through kvsqueeze and restores it afterwards (see the module docstring); nothing
+    about the model or its config changes for good.
     ``spec`` may also be the path of a calibration artifact directory written by ``kvsqueeze calibrate``.
     ``backend`` picks the attention kernel: ``auto`` (fastest available), ``torch`` (reference), ``cpu``, ``triton``.
     """
@@ -419,6 +514,25 @@ class QuantizedCache(Cache):
                 tot[k] += v
         return KVBytes(tot["codes"], tot["params"], tot["fp"], tot["allocated"], tot["elements"],
                        tot["quantized_elements"])
+
+    def token_summary(self) -> str:
+        """Where the tokens sit: how many are stored quantized, how many are still in the full-precision window, and
+        at which length quantization starts (sliding-window layers evict old tokens instead)."""
+        n, spec = self.get_seq_length(), self.spec
+        if not spec.quantized:
+            return f"{n} tokens, all full precision"
+        q = spec.quantized_count(n)
+        sinks = min(n, spec.sinks)
+        sink_txt = f" and {sinks} attention sinks" if spec.sinks else ""
+        if q == 0:
+            start = spec.sinks + spec.window + spec.flush_tokens
+            return (f"{n} tokens, all in the {spec.window}-token full-precision window{sink_txt}: quantization "
+                    f"starts at {start} tokens, {spec.flush_tokens} at a time")
+        return f"{n} tokens: {q} quantized, {n - q - sinks} in the {spec.window}-token full-precision window{sink_txt}"
+
+    def summary(self) -> str:
+        """One line for people: :meth:`token_summary`, then the exact bytes (:meth:`KVBytes.summary`)."""
+        return f"{self.token_summary()}; {self.nbytes().summary()}"
 
     def __repr__(self) -> str:
         return f"kvsqueeze.QuantizedCache({self.spec.name}: {self.spec.label()}, layers={len(self.layers)})"

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "frontier": ("frontier", "perplexity against bits: per budget, the best kvsqueeze cache and the best peer"),
     "static-generate": ("static_generate", "greedy generation on ONNX Runtime through the static-shape KV manager"),
     "presets": ("presets", "list the named presets and their bits per element"),
+    "env": ("env", "versions, CPU and GPU, which kernel path runs, corpus and model cache (--json)"),
     "calibrate": ("calibrate", "calibrate SKVQ / KVQuant-style / invertible-transform quantization and write an "
                                "artifact for --kv"),
     "export": ("export", "fold an artifact's transforms into the model: a plain transformers checkpoint"),

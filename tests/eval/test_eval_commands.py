@@ -155,7 +155,7 @@ def test_generate_with_an_artifact_and_its_folder(tiny_model_dir, calibrated_out
                      str(tiny_model_dir), "--max-new-tokens", "4"]) == 0
         reports.append(capsys.readouterr().out.splitlines()[-1])
     # 200 prompt bytes + 3 generated tokens stored; the artifact's K2/ternary storage, not a preset's
-    assert reports[0] == reports[1] and reports[0].startswith(f"[{art.name}] 203 tokens, KV cache ")
+    assert reports[0] == reports[1] and reports[0].startswith(f"[{art.name}] 203 tokens: ")
     assert "quantized part 2.312 bits/element" in reports[0] and reports[0].endswith("threads 2")
 
 

@@ -42,3 +42,23 @@ def test_lock_of_a_killed_holder_is_released(tmp_path):
         assert entered.wait(10)  # the kernel released it with the process
     finally:
         holder.kill()
+
+
+def test_a_build_leaves_the_flags_and_so_every_build_name_alone(monkeypatch, tmp_path):
+    """torch's load() appends its own link flags to the list it is given: were that list the module's, every later
+    build name in the process would change (another path rebuilt under a new name, describe() naming a folder that
+    does not exist)."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, **kwargs):
+        extra_cflags.append("-DADDED")
+        extra_ldflags.append("-ltorch_cpu")  # as torch's _prepare_ldflags does
+        return object()
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("KVSQUEEZE_NO_CPP", raising=False)
+    monkeypatch.setattr(cpu, "_exts", {})
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    names = {isa: cpu._build_name(isa) for isa in cpu.runnable_isas()}
+    assert cpu.load_extension(isa="generic") is not None
+    assert {isa: cpu._build_name(isa) for isa in names} == names

@@ -58,6 +58,8 @@ def corpus_samples(corpus: Any, tokenizer: Any, samples: int, length: int, start
 def generated_samples(model: Any, tokenizer: Any, samples: int, length: int, seed: int = 0,
                       temperature: float = 1.0, progress: bool = True) -> CalibrationData:
     """Text the model writes itself: ``samples`` sequences of ``length`` tokens sampled from the start token."""
+    from ..adapter import cache_kwargs, output_cache
+
     _check_sizes(samples, length)
     start_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if start_id is None:
@@ -72,8 +74,8 @@ def generated_samples(model: Any, tokenizer: Any, samples: int, length: int, see
         out = [ids]
         nxt = ids
         for _ in range(length - 1):
-            res = model(input_ids=nxt, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(input_ids=nxt, **cache_kwargs(model, past), use_cache=True)
+            past = output_cache(res)
             probs = torch.softmax(res.logits[:, -1].float() / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=gen)
             out.append(nxt)

@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                 "k2c32-v2t32-w128-s4, JSON, or a calibration artifact directory "
                                                 "(or a folder holding exactly one)")
     _options.add_model(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="new tokens (default 256: with a short prompt, past the usual 128-token window)")
     p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     _options.add_prefill_chunk(p)
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from kvsqueeze.adapter import QuantizedCache
+    from kvsqueeze.adapter import QuantizedCache, cache_kwargs
     from kvsqueeze.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -46,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     inputs = tok(text, return_tensors="pt", add_special_tokens=args.raw or not getattr(tok, "chat_template", None))
     sample = args.temperature > 0
     with torch.no_grad():
-        model.generate(**inputs, past_key_values=cache, max_new_tokens=args.max_new_tokens, do_sample=sample,
+        model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=args.max_new_tokens, do_sample=sample,
                        temperature=args.temperature if sample else None, top_p=None, top_k=None,
                        streamer=TextStreamer(tok, skip_prompt=True, skip_special_tokens=True),
                        pad_token_id=tok.pad_token_id, prefill_chunk_size=args.prefill_chunk or None)
     nb = cache.nbytes()
-    print(f"[{spec.name}] {cache.get_seq_length()} tokens, {nb.summary()}, "
+    print(f"[{spec.name}] {cache.token_summary()}; {nb.summary()}, "
           f"{nb.total / max(cache.get_seq_length(), 1):.0f} bytes/token, threads {torch.get_num_threads()}")
     return 0

@@ -120,6 +120,7 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
 
     import torch
 
+    from ..adapter import cache_kwargs
     from .peers import make_cache, prefill
 
     ids = torch.randint(0, model.get_output_embeddings().weight.shape[0], (1, 264))
@@ -132,7 +133,8 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
         steps = []
         for i in range(4):
             t = time.perf_counter()
-            model.base_model(input_ids=ids[:, 256 + i:257 + i], past_key_values=cache, use_cache=True)
+            model.base_model(input_ids=ids[:, 256 + i:257 + i], **cache_kwargs(model.base_model, cache),
+                             use_cache=True)
             steps.append(time.perf_counter() - t)
     step = statistics.median(steps)
 

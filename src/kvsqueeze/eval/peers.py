@@ -137,10 +137,13 @@ def prefill_pieces(model: Any, cache: Any, n_tokens: int, batch: int = 1,
 def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
     """Feed a prompt [B, T] into ``cache``, ``chunk`` tokens per forward pass (0 = one pass; split as
     :func:`prefill_pieces` says); returns the final hidden state of the last position [B, H]."""
+    from ..adapter import cache_kwargs
+
     start = 0
     out = None
     for n in prefill_pieces(model, cache, ids.shape[1], ids.shape[0], chunk):
-        out = model.base_model(input_ids=ids[:, start:start + n], past_key_values=cache, use_cache=True)
+        out = model.base_model(input_ids=ids[:, start:start + n], **cache_kwargs(model.base_model, cache),
+                                use_cache=True)
         start += n
     return out.last_hidden_state[:, -1]
 

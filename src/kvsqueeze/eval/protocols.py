@@ -88,13 +88,14 @@ def nll_decode(model: Any, ids: torch.Tensor, cache: Any, prefix: int,
                prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> torch.Tensor:
     """Prefill ``max(prefix, 1)`` tokens into ``cache`` (any cache, ours or a peer's; ``prefill_chunk`` tokens per
     pass, 0 = one pass), then one token per step; score each next token."""
+    from ..adapter import cache_kwargs
     from .peers import prefill
 
     check_prefix(prefix, ids.shape[1])
     s = scored_start(prefix)
     rows = [prefill(model, ids[:, :s], cache, prefill_chunk)]
     for t in range(s, ids.shape[1] - 1):
-        rows.append(_hidden(model, ids[:, t:t + 1], past_key_values=cache, use_cache=True)[0, -1:])
+        rows.append(_hidden(model, ids[:, t:t + 1], **cache_kwargs(model.base_model, cache), use_cache=True)[0, -1:])
     return _nll(model, torch.cat(rows), ids[0, s:])
 
 

@@ -99,6 +99,13 @@ def _speed(results: dict[str, Any], name: str, ctx: int, field: str, scale: floa
     return f"{r[field] / scale:.{digits}f}"
 
 
+def _path_cell(results: dict[str, Any], name: str, ctx: int) -> str:
+    r = results.get("speed", {}).get(name, {}).get(str(ctx))
+    if not isinstance(r, dict):
+        return not_available(results, name, "speed")
+    return r.get("attention_path") or r.get("engine") or "n/a"  # vLLM's rows name their engine
+
+
 # ------------------------------------------------------------------------------------------------ markdown
 def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     meta, cfg = results["meta"], results["config"]
@@ -135,7 +142,8 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     out += ["", "## Results", ""]
     head = ["cache", "kind", "bits/element (quantized part)", "KV bytes/token",
             *[label for _, label in PPL_COLUMNS[:2]], f"ppl decode (last {cfg['ppl_decode_tokens']})", "retrieval", f"prefill s @{hi}",
-            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"peak RSS growth MiB @{hi} (of it KV)"]
+            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"peak RSS growth MiB @{hi} (of it KV)",
+            f"attention path @{hi}"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for c in results["caches"]:
@@ -144,7 +152,8 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         row = [f"`{name}`", c["kind"], _fmt_bits(b), "n/a" if b is None else f"{b['bytes_per_token']:.0f}",
                *[ppl_cell(results, p, name) for p, _ in PPL_COLUMNS], retrieval_cell(results, name),
                _speed(results, name, hi, "prefill_s", digits=2), _speed(results, name, lo, "decode_ms_per_token"),
-               _speed(results, name, hi, "decode_ms_per_token"), _growth_cell(results, name, hi)]
+               _speed(results, name, hi, "decode_ms_per_token"), _growth_cell(results, name, hi),
+               _path_cell(results, name, hi)]
         out.append("| " + " | ".join(row) + " |")
     out += ["", *_notes(results), ""]
     if results.get("capacity"):

@@ -134,6 +134,7 @@ def greedy_answer(model: Any, tokenizer: Any, ids: list[int], cache: Any, max_ne
                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> str:
     """Greedy decoding through ``cache`` (the prompt prefilled ``prefill_chunk`` tokens per pass, 0 = one pass);
     stops at EOS or once a number has been written and followed by more."""
+    from ..adapter import cache_kwargs
     from .peers import prefill
 
     head = model.get_output_embeddings()
@@ -147,7 +148,7 @@ def greedy_answer(model: Any, tokenizer: Any, ids: list[int], cache: Any, max_ne
         text = tokenizer.decode(out)
         if re.search(r"\d\D", text):
             break
-        h = model.base_model(input_ids=torch.tensor([[nxt]]), past_key_values=cache,
+        h = model.base_model(input_ids=torch.tensor([[nxt]]), **cache_kwargs(model.base_model, cache),
                              use_cache=True).last_hidden_state[:, -1]
     return tokenizer.decode(out)
 

@@ -1,6 +1,6 @@
 """Prefill time, decode milliseconds per token and peak memory of one cache at one context length.
 
-Decoding is timed step by step through ``model(input_ids=next, past_key_values=cache)`` (not ``generate``), so
+Decoding is timed step by step through ``model(input_ids=next, cache=cache)`` (not ``generate``), so
 each step's time is the model plus the cache and nothing else.  Peak resident memory is reset before the
 measurement where Linux allows it (``/proc/self/clear_refs``), so each measurement reports its own peak
 rather than the process's lifetime maximum.
@@ -95,6 +95,7 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
                   seed: int = 0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
     """Prefill a ``context``-token random prompt (``batch`` rows; ``prefill_chunk`` tokens per forward pass, 0 = one
     pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes."""
+    from ..adapter import attention_paths, cache_kwargs, describe_paths
     from .peers import footprint, make_cache, prefill
 
     if context < 1 or decode_tokens < 1 or batch < 1:
@@ -107,7 +108,7 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     # first use) by a short prefill and a decode step of the same kind of cache
     warm = make_cache(model, kv)
     prefill(model, ids[:1, :min(context, 128)], warm, prefill_chunk and 64)
-    model.base_model(input_ids=ids[:1, :1], past_key_values=warm, use_cache=True)
+    model.base_model(input_ids=ids[:1, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
     del warm
     cache = make_cache(model, kv)
     prefill_s: list[float] = []
@@ -117,16 +118,18 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     cuda_start = torch.cuda.memory_allocated() if cuda else 0
+    kw = cache_kwargs(model.base_model, cache)
     with PeakRSS() as mem:
         with _timer(prefill_s):
             nxt = head(prefill(model, ids, cache, prefill_chunk)).argmax(-1, keepdim=True)
             _sync(cuda)
         for _ in range(decode_tokens):
             with _timer(steps):
-                h = model.base_model(input_ids=nxt, past_key_values=cache, use_cache=True).last_hidden_state
+                h = model.base_model(input_ids=nxt, **kw, use_cache=True).last_hidden_state
                 nxt = head(h[:, -1]).argmax(-1, keepdim=True)
                 _sync(cuda)
     kv_bytes = footprint(cache)
+    paths = attention_paths(cache, model)
     return {
         "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch, "prefill_chunk": prefill_chunk,
         "prefill_s": prefill_s[0],
@@ -140,4 +143,6 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
         "cuda_peak_allocated_delta_bytes": torch.cuda.max_memory_allocated() - cuda_start if cuda else None,
         "kv_bytes": kv_bytes.as_dict(),
         "threads": torch.get_num_threads(),
+        # what the timed steps ran on ('sdpa': transformers' own attention, for peers and prompts)
+        "attention_path": describe_paths(paths), "attention_paths": paths,
     }

@@ -178,7 +178,7 @@ def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType 
                 build_dir = _build_directory(name)
                 with _build_lock(build_dir):
                     ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
-                               extra_cflags=_flags(isa), extra_ldflags=_LDFLAGS)
+                               extra_cflags=_flags(isa), extra_ldflags=list(_LDFLAGS))  # load() appends to it
             except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
                 _failed[isa] = f"{type(err).__name__}: {err}"
                 warnings.warn(f"kvsqueeze: the C++ attention kernel ({isa}) could not be built "
@@ -192,10 +192,25 @@ def available() -> bool:
     return load_extension() is not None
 
 
-def describe() -> dict:
+def is_built(isa: str | None = None) -> bool:
+    """Whether the path's extension is loaded or its build is cached on disk (so using it costs no compile)."""
+    isa = isa or selected_isa()
+    if _exts.get(isa) is not None:
+        return True
+    name = _build_name(isa)
+    return any(_build_directory(name).glob(f"{name}*.so"))
+
+
+def describe(build: bool = True) -> dict:
     """What serves CPU attention here, for reports and ``kvsqueeze env``: whether the C++ kernel is built (building
-    it on first call), the instruction-set path it uses, the paths this CPU could run, and why not when it is not."""
+    it on first call unless ``build=False``), the instruction-set path it uses, the paths this CPU could run, and
+    why not when it is not.  With ``build=False`` and no cached build, ``path`` says what a first use would do."""
     isa = selected_isa()
+    if not build and isa not in _exts:
+        cached = is_built(isa) and os.environ.get("KVSQUEEZE_NO_CPP", "") in ("", "0")
+        return {"built": cached, "isa": isa, "runnable": runnable_isas(), "reason": None if cached else "not built yet",
+                "path": f"C++ kernel ({isa})" + ("" if cached else ", built on first use (about a minute)"),
+                "build_dir": str(_build_directory(_build_name(isa)))}
     ext = load_extension(isa=isa)
     return {"built": ext is not None, "isa": isa if ext is not None else None,
             "path": f"C++ kernel ({isa})" if ext is not None else "torch reference",
@@ -360,11 +375,18 @@ def kernel_plan(plan: SegmentPlan, mask: torch.Tensor | None = None, scaling: fl
     return kp
 
 
+def path(query: torch.Tensor, plan: SegmentPlan) -> str:
+    """The path :func:`attend` takes for this step, for reports: ``cpu-kernel <isa>`` or ``reference``."""
+    if load_extension() is None or query.device.type != "cpu" or not supports(plan):
+        return "reference"
+    return f"cpu-kernel {selected_isa()}"
+
+
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds."""
-    ext = load_extension()
-    if ext is None or query.device.type != "cpu" or not supports(plan):
+    if path(query, plan) == "reference":
         return reference.attend(query, plan, mask, scaling)
+    ext = load_extension()
     kp = kernel_plan(plan, mask, scaling)
     if not kp.n_segments:
         raise ValueError("attention over an empty cache with no new tokens")

@@ -29,6 +29,10 @@ def available() -> bool:
     return True
 
 
+def path(query: torch.Tensor, plan: SegmentPlan) -> str:
+    return "reference"
+
+
 def attend_segments(
     query: torch.Tensor,
     segments: Iterable[tuple[int, torch.Tensor, torch.Tensor, bool]],

@@ -184,18 +184,29 @@ def _fp_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.T
     return m, p.sum(-1), torch.matmul(p, v.float())
 
 
+def path(query: torch.Tensor, plan: SegmentPlan) -> str:
+    """The path :func:`attend` takes for this step, for reports: ``triton``, ``triton-prefill`` or ``reference``."""
+    d = query.shape[-1]
+    if not available() or not supports(plan) or d & (d - 1) or plan.new is None:
+        return "reference"
+    if query.shape[2] > MAX_QUERIES:  # prefill on top of a cache: query tiles (lazy: it imports this module)
+        from .triton_prefill import supports_query
+
+        return "triton-prefill" if supports_query(d) else "reference"
+    return "triton"
+
+
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Attention of ``query`` [B, Hq, Lq, D] over everything the plan holds."""
     b, hq, lq, d = query.shape
     new = plan.new
-    if not available() or not supports(plan) or d & (d - 1) or new is None:
+    route = path(query, plan)
+    if route == "reference":
         return reference.attend(query, plan, mask, scaling)
-    if lq > MAX_QUERIES:  # prefill on top of a cache: query tiles with tl.dot (lazy: it imports this module)
-        from .triton_prefill import attend_prefill, supports_query
+    if route == "triton-prefill":
+        from .triton_prefill import attend_prefill
 
-        if supports_query(d):
-            return attend_prefill(query, plan, mask, scaling)
-        return reference.attend(query, plan, mask, scaling)
+        return attend_prefill(query, plan, mask, scaling)
     hkv = new.k.shape[1]
     rep = hq // hkv
     r = rep * lq
