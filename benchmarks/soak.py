@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import time
 
@@ -131,7 +132,14 @@ def main() -> None:
     p.add_argument("--probe-at", type=int, default=1024, help="context of the '~1k' decode timing")
     p.add_argument("--probe-steps", type=int, default=WINDOW)
     p.add_argument("--interval", type=int, default=512, help="print every N generated tokens")
+    p.add_argument("--table", nargs="+", metavar="JSON", default=None,
+                   help="print the table of earlier runs' JSON files (merged; divergence against their 'full') and stop")
     args = p.parse_args()
+    if args.table:
+        from pathlib import Path
+
+        print("\n".join(table([r for f in args.table for r in json.loads(Path(f).read_text())["results"]])))
+        return
     if "full" in args.presets:  # the reference for divergence runs first
         args.presets = ["full"] + [x for x in args.presets if x != "full"]
 
@@ -166,15 +174,26 @@ def main() -> None:
         if args.json:
             write_json(args.json, doc)  # after every preset: a killed run keeps what it finished
     print()
-    print("| preset | tokens | prefill s | ms/token at ~1k | ms/token at end | end/1k | RSS after prompt MiB | "
-          "RSS growth MiB | cache growth MiB | RSS target | first divergence from full |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(table(results)))
+
+
+def table(results: list[dict]) -> list[str]:
+    """The markdown table; divergence is recomputed against the ``full`` run among ``results`` (if any)."""
+    ref = next((r["generated"] for r in results if r["preset"] == "full"), None)
+    lines = ["| preset | tokens | prefill s | ms/token at ~1k | ms/token at end | end/1k | RSS after prompt MiB | "
+             "RSS growth MiB | cache growth MiB | RSS target | first divergence from full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        div = "-" if r["preset"] == "full" else r.get("first_divergence") or "none"
-        print(f"| {r['preset']} | {r['total_tokens']} | {r['prefill_s']:.0f} | {r['ms_per_token_at_1k']:.1f} | "
-              f"{r['ms_per_token_at_end']:.1f} | {r['end_over_1k']:.2f} | {r['rss_after_prompt'] / 2**20:.0f} | "
-              f"{r['rss_growth'] / 2**20:.1f} | {r['cache_growth'] / 2**20:.1f} | "
-              f"{'ok' if r['rss_target_ok'] else 'MISSED'} | {div} |")
+        if r["preset"] == "full" or ref is None:
+            div = "-"
+        else:
+            div = next((r["prompt_tokens"] + i for i, (a, b) in enumerate(zip(ref, r["generated"])) if a != b),
+                       "none")
+        lines.append(f"| {r['preset']} | {r['total_tokens']} | {r['prefill_s']:.0f} | {r['ms_per_token_at_1k']:.1f} | "
+                     f"{r['ms_per_token_at_end']:.1f} | {r['end_over_1k']:.2f} | "
+                     f"{r['rss_after_prompt'] / 2**20:.0f} | {r['rss_growth'] / 2**20:.1f} | "
+                     f"{r['cache_growth'] / 2**20:.1f} | {'ok' if r['rss_target_ok'] else 'MISSED'} | {div} |")
+    return lines
 
 
 def n_prompt_pos(result: dict, i: int) -> int:
