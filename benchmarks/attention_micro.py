@@ -20,13 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 CPU_PRESETS = ("full", "int8", "kivi-4", "kivi-2")
 
@@ -248,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
     p.add_argument("--skip-cpu", action="store_true")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    from kvsqueeze.eval.benchkit import set_threads
+
+    set_threads(args.threads)
     if not args.skip_cpu:
         bench_cpu(args)
     bench_gpu(args)

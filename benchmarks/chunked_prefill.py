@@ -21,13 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def prefill_seconds(model, ids: torch.Tensor, spec: str, backend: str, chunk: int) -> float:
@@ -98,15 +94,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.tokens < 1 or args.chunk < 1 or args.threads < 1 or args.repeats < 1 or args.kernel_history < 0:
         ap.error("--tokens, --chunk, --threads and --repeats must be positive, --kernel-history >= 0")
-    torch.set_num_threads(args.threads)
+    from kvsqueeze.eval.benchkit import load, set_threads
+
+    set_threads(args.threads)
     if args.kernel_history:
         kernel_comparison(args.kernel_history, args.chunk, args.spec, max(args.repeats, 3))
         return
 
-    from kvsqueeze import load_model
     from kvsqueeze.kernels import cpu
 
-    model, _ = load_model(progress=False)
+    model, _, _ = load(args)
     ids = torch.randint(100, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     runs = [("a", "one pass", "full", "cpu", args.tokens), ("b", "one pass", args.spec, "cpu", args.tokens),
             ("c", f"chunks of {args.chunk}", args.spec, "cpu", args.chunk)]

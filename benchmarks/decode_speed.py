@@ -21,11 +21,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 OURS = ("full", "int8", "kivi-4", "kivi-2")
 PEERS = ("hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
@@ -161,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prefill only the first preset; the others get its K/V (decode timing only, saves time)")
     args = p.parse_args(argv)
 
-    from kvsqueeze.models import load_model
+    from kvsqueeze.eval.benchkit import load
 
-    torch.set_num_threads(args.threads)
-    model, _ = load_model(progress=False)
+    model, _, _ = load(args)
     if args.backend in ("auto", "cpu"):
         from kvsqueeze.kernels import cpu
 

@@ -1,6 +1,6 @@
 """Print the family x calibrated-method table of docs/calibrated.md from the requirement checks themselves.
 
-Each family is the tiny random model the tests use (tests/_families.py, built from transformers' own config
+Each family is the tiny random model the tests use (kvsqueeze.eval.families, built from transformers' own config
 classes); each cell is :func:`kvsqueeze.calibrate.requirements.verdict` on the facts read from that model
 (:func:`kvsqueeze.layout.attention_facts`).  tests/test_families.py checks that every "works" cell calibrates,
 saves, loads and runs, and that every "refused" cell raises exactly that reason.
@@ -10,14 +10,9 @@ saves, loads and runs, and that every "refused" cell raises exactly that reason.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from _families import FAMILIES, build  # noqa: E402
-from kvsqueeze.calibrate.requirements import verdict  # noqa: E402
-from kvsqueeze.layout import attention_facts  # noqa: E402
+from kvsqueeze.calibrate.requirements import verdict
+from kvsqueeze.eval.families import FAMILIES, build
+from kvsqueeze.layout import attention_facts
 
 COLUMNS = (("skvq", "skvq", None), ("kvquant", "kvquant", None), ("hybrid", "hybrid", None),
            ("invertible learned-folded / smooth", "invertible", ("learned-folded", "smooth")),

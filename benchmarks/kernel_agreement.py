@@ -41,14 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--presets", nargs="+", default=list(PRESETS))
     p.add_argument("--isa", nargs="+", default=None, help="C++ kernel paths (default: every path this CPU runs)")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from kvsqueeze import load_model
     from kvsqueeze.corpus import resolve_corpus
+    from kvsqueeze.eval.benchkit import load
     from kvsqueeze.kernels import cpu
     from kvsqueeze.quant.format import storage_format
     from kvsqueeze.spec import preset
 
-    model, tok = load_model(progress=False)
+    model, tok, _ = load(args)
     text = resolve_corpus().text
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     ids = tok(text[: args.prompt * 8], return_tensors="pt").input_ids[:, : args.prompt]

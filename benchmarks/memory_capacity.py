@@ -24,8 +24,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
 CACHES = ("full", "kivi-4", "kivi-2", "hf-dynamic", "hf-quanto-int4", "hf-quanto-int2")
 MIB = 2**20
 

@@ -3,6 +3,11 @@ quantized, the same WikiText-2 chunks for every row.
 
     PYTHONPATH=src python3 benchmarks/vllm_table.py --export e4m3=DIR --export e5m2=DIR [--chunks 4 --context 1024]
 
+``--build e4m3 e5m2`` first calibrates and exports, per format, the two checkpoints BENCHMARKS.md section 8 uses
+(``art-rot-FMT``/``exp-rot-FMT`` with key rotations, ``art-comp-FMT``/``exp-comp-FMT`` without; ``kvsqueeze
+calibrate --method vllm-fp8 --samples 4 --length 512 --threads 1`` then ``kvsqueeze export --vllm``) in
+``--build-dir``; ``--export`` then names the ones to score.
+
 Rows:
 
 * ``vllm``: vLLM itself through ``prompt_logprobs`` (kvsqueeze's vllm peer, bf16 weights).  vLLM's fp8 cache
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +64,16 @@ def cpu_fp8_features() -> str:
     return f"{name}: " + (", ".join(have) if have else "neither AVX-512 nor AMX (vLLM refuses its fp8 cache)")
 
 
+def build(fmt: str, folder: Path) -> None:
+    """The calibrate + export pair of section 8, for ``fmt`` with key rotations (rot) and without (comp)."""
+    for name, extra in (("rot", []), ("comp", ["--no-key-rotation"])):
+        art, exp = folder / f"art-{name}-{fmt}", folder / f"exp-{name}-{fmt}"
+        for cmd in (["calibrate", "--method", "vllm-fp8", "--fp8-format", fmt, *extra, "--out", str(art), "--samples",
+                     "4", "--length", "512", "--threads", "1"], ["export", "--kv", str(art), "--vllm", str(exp)]):
+            print("vllm_table: kvsqueeze " + " ".join(cmd), file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, "-m", "kvsqueeze.cli", *cmd], check=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--export", action="append", default=[], metavar="FMT=DIR",
@@ -73,7 +89,12 @@ def main() -> int:
                    help="also vLLM with kvsqueeze's plugin storing these formats (kivi-4, kivi-2, int8) on the "
                         "original model (vllm:kvsqueeze-FMT; the plugin installed beside vLLM)")
     p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--build", nargs="+", default=[], choices=sorted(FP8_MAX), metavar="FMT",
+                   help="calibrate and export exp-rot-FMT and exp-comp-FMT first (the loop of BENCHMARKS.md section 8)")
+    p.add_argument("--build-dir", default=".", help="where --build writes its artifacts and exports")
     args = p.parse_args()
+    for fmt in args.build:
+        build(fmt, Path(args.build_dir))
     exports = []  # (label, fmt, path)
     for item in args.export:
         fmt, _, path = item.partition("=")

