@@ -327,3 +327,30 @@ def test_the_plugin_missing_beside_vllm_is_one_line(tmp_path):
         vllm_client.check_kv_cache_dtypes(["kvsqueeze-kivi-4"])
     if err.value.log is not None:
         err.value.log.unlink(missing_ok=True)
+
+
+def test_pool_line_and_worker_pool():
+    from types import SimpleNamespace
+
+    from kvsqueeze.eval import vllm_peer
+    from kvsqueeze.external import vllm_worker
+
+    cache = SimpleNamespace(num_gpu_blocks=4660, block_size=32)
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(cache_config=cache)))
+    pool = vllm_worker._pool(llm)
+    assert pool["kv_blocks"] == 4660 and pool["kv_tokens"] == 4660 * 32
+    pool["kv_space_gib"] = "1"
+    assert vllm_peer.pool_line(pool) == ("vLLM KV pool: 4660 blocks x 32 tokens = 149120 tokens in "
+                                         "VLLM_CPU_KVCACHE_SPACE=1 GiB")
+    assert vllm_peer.pool_line(None) == ""
+
+
+def test_backend_refuses_prefix_caching_and_speculation():
+    from types import SimpleNamespace
+
+    from kvsqueeze.engines.vllm_plugin import unsupported_features
+
+    plain = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False), speculative_config=None)
+    assert unsupported_features(plain) == []
+    both = SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True), speculative_config=object())
+    assert unsupported_features(both) == ["prefix caching", "speculative decoding"]

@@ -67,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
         size = f"{bits} bits/element with all metadata, {b['bytes_per_token']:.0f} KV bytes/token"
     print(f"ppl {res['ppl']:.4f} over {res['tokens_scored']} tokens ({res['scored_positions']}); {size}; "
           f"{wall:.1f} s")
+    if res.get("vllm_pool"):
+        from kvsqueeze.eval import vllm_peer
+
+        print(vllm_peer.pool_line(res["vllm_pool"]))
     if args.json:
         record = {
             **res,

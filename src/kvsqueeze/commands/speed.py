@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
               f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, in its own process)"
               f"{size}")
+        if r.get("vllm_pool"):
+            print(vllm_peer.pool_line(r["vllm_pool"]))
         if args.json:
             _options.write_json(args, {**r, "cache": describe([args.kv])[0], "model": meta.model_info(model, args.model),
                                        "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),

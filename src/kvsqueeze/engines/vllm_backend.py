@@ -27,7 +27,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..kernels.paged import PAGE_TOKENS, PagedStore, paged_attention, paged_format, pool_cell_bytes
-from .vllm_plugin import ENV
+from .vllm_plugin import ENV, unsupported_features
 
 
 def _format():
@@ -87,6 +87,10 @@ class KvsqueezeMetadata:
 class KvsqueezeMetadataBuilder(AttentionMetadataBuilder[KvsqueezeMetadata]):
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        refused = unsupported_features(vllm_config)
+        if refused:
+            raise NotImplementedError(f"kvsqueeze's vLLM backend does not implement {', '.join(refused)} "
+                                      f"(serve with --no-enable-prefix-caching and without a speculative config)")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvsqueezeMetadata:

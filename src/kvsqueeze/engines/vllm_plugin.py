@@ -11,6 +11,7 @@ vLLM file is patched.  Run vLLM with ``kv_cache_dtype="auto"`` and ``block_size=
 from __future__ import annotations
 
 import os
+from typing import Any
 
 ENV = "KVSQUEEZE_VLLM_KV"
 BACKEND = "kvsqueeze.engines.vllm_backend.KvsqueezeAttentionBackend"
@@ -30,3 +31,13 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND)
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+
+
+def unsupported_features(vllm_config: Any) -> list[str]:
+    """What the engine is configured for that the backend's store cannot follow: prefix caching (a block shared
+    between sequences while another may still rewrite it) and speculative decoding (rejected draft tokens rewrite
+    slots of pages already packed)."""
+    cache = getattr(vllm_config, "cache_config", None)
+    return [what for what, on in (("prefix caching", bool(getattr(cache, "enable_prefix_caching", False))),
+                                  ("speculative decoding", getattr(vllm_config, "speculative_config", None) is not None))
+            if on]

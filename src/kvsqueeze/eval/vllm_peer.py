@@ -178,6 +178,15 @@ def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1
             "method": "computed from the KV dtype (not measured in-process)"}
 
 
+def pool_line(pool: dict[str, Any] | None) -> str:
+    """vLLM's KV pool as its engine sized it, for one printed line ('' when the worker did not report it)."""
+    if not pool:
+        return ""
+    space = pool.get("kv_space_gib")
+    return (f"vLLM KV pool: {pool['kv_blocks']} blocks x {pool['block_size']} tokens = {pool['kv_tokens']} tokens"
+            + ("" if space is None else f" in VLLM_CPU_KVCACHE_SPACE={space} GiB"))
+
+
 def check_protocol(peer: VllmPeer, protocol: str) -> None:
     if protocol != "all-quantized":
         raise UnsupportedCacheError(f"{peer.name} can only be measured with --protocol all-quantized: vLLM's "
@@ -273,7 +282,7 @@ def _ppl_record(peer: VllmPeer, chunks: torch.Tensor, res: dict[str, Any], layou
         "kv_bytes_measured_on": "not measured: vLLM's paged cache is preallocated in its own process (computed "
                                 "from the KV dtype" + ("" if footprint is None else f", {context} tokens") + ")",
         "spec": peer.settings(), "spec_label": peer.description,
-        "seconds": seconds, "vllm_seconds": res["seconds"],
+        "seconds": seconds, "vllm_seconds": res["seconds"], "vllm_pool": res.get("pool"),
     }
 
 
@@ -292,7 +301,7 @@ def _speed_records(peer: VllmPeer, contexts: list[int], decode_tokens: int, batc
             "decode_note": "time from the first token to the last over the decode steps (vLLM's time per output "
                            "token), whole batch per step, one run",
             "bits_per_element": peer.bits_per_element() if footprint is None else footprint["bits_per_element"],
-            "threads": threads,
+            "threads": threads, "vllm_pool": res.get("pool"),
             **({} if footprint is None else {"kv_bytes": footprint}),
             "peak_rss_bytes": None, "peak_rss_note": NOT_APPLICABLE["peak_rss"]}
     return out

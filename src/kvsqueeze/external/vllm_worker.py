@@ -166,6 +166,15 @@ def _speed(llm, prompt_sets: list[list[list[int]]], decode: int) -> dict:
     return {"runs": runs}
 
 
+def _pool(llm) -> dict:
+    """vLLM's KV pool as its engine sized it (the count it logs as its KV cache size): blocks, tokens per block,
+    tokens in all, and the KV space it was given ($VLLM_CPU_KVCACHE_SPACE on a CPU)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    blocks, size = int(cache.num_gpu_blocks or 0), int(cache.block_size)
+    return {"kv_blocks": blocks, "block_size": size, "kv_tokens": blocks * size,
+            "kv_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+
+
 def task_check(req: dict) -> dict:
     for kv_cache_dtype in req["kv_cache_dtypes"]:
         _check_kv_dtype(kv_cache_dtype)
@@ -173,18 +182,20 @@ def task_check(req: dict) -> dict:
 
 
 def task_logprobs(req: dict) -> dict:
-    return _logprobs(_engine(req), req["prompts"])
+    llm = _engine(req)
+    return {**_logprobs(llm, req["prompts"]), "pool": _pool(llm)}
 
 
 def task_speed(req: dict) -> dict:
-    return _speed(_engine(req), req["prompt_sets"], int(req["decode_tokens"]))
+    llm = _engine(req)
+    return {**_speed(llm, req["prompt_sets"], int(req["decode_tokens"])), "pool": _pool(llm)}
 
 
 def task_measure(req: dict) -> dict:
     """``logprobs`` of ``prompts`` and ``speed`` of ``prompt_sets`` on one engine (it starts once)."""
     llm = _engine(req)
     nll = _logprobs(llm, req["prompts"]) if req["prompts"] else {}  # no prompts: no corpus, speed only
-    return {**nll, **_speed(llm, req["prompt_sets"], int(req["decode_tokens"]))}
+    return {**nll, **_speed(llm, req["prompt_sets"], int(req["decode_tokens"])), "pool": _pool(llm)}
 
 
 TASKS = {"check": task_check, "logprobs": task_logprobs, "speed": task_speed, "measure": task_measure}
