@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from .artifact import SPEC_FILE, artifacts_in, holds_artifact_files, load_artifact
+from .artifact import SPEC_FILE, artifacts_in, holds_artifact_files, load_artifact, user_path
 from .errors import (
     ArtifactError,
     CacheSpecError,
@@ -137,10 +137,14 @@ def resolve_kv(x: Any) -> Resolved:
     except ValueError as exc:
         if not str(exc).startswith(f"unknown preset {x!r}"):  # a malformed spec string: its own message
             raise CacheSpecError(str(exc)) from exc
-    path = Path(x).expanduser() if x else None
-    if path is not None and path.is_dir():
+    path = user_path(x) if x else None
+    try:
+        is_dir, exists = (path.is_dir(), path.exists()) if path is not None else (False, False)
+    except OSError:  # a name the file system cannot hold (too long, ...): not a folder of ours either
+        is_dir = exists = False
+    if is_dir:
         return _from_folder(path)
-    if path is not None and path.exists():
+    if exists:
         raise ArtifactError(f"{x} is a file; a calibration artifact is a directory ({SPEC_FILE} and tensors)")
     raise UnknownCacheError(f"unknown cache {x!r} (not a preset, a peer, a spec string or a directory); "
                             f"{allowed_kv()}")
@@ -199,7 +203,7 @@ def _from_json(doc: Any) -> CacheSpec:
 
 def _from_folder(path: Path) -> CacheSpec:
     """The artifact at ``path``, or the one artifact directly inside it."""
-    path = path.expanduser()
+    path = user_path(path)
     if not path.is_dir():
         raise ArtifactError(f"calibration artifact not found: {path} is not a directory")
     if holds_artifact_files(path):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvsqueeze.errors import KvsqueezeError
@@ -61,14 +61,18 @@ def _check(x: str) -> None:
     record("spec strings", "parsed")
 
 
-@settings(max_examples=SPEC_STRINGS, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=SPEC_STRINGS, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+          derandomize=True)
 @given(_spec_like)
 def test_spec_like_strings_parse_and_round_trip_or_are_refused_in_one_line(x):
     _check(x)
 
 
-@settings(max_examples=GARBAGE_STRINGS, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=GARBAGE_STRINGS, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+          derandomize=True)
 @given(_garbage)
+@example("~0")  # a home directory that does not exist: pathlib raised RuntimeError (found by this test)
+@example("a" * 300)  # a name no file system holds
 def test_garbage_strings_are_refused_in_one_line(x):
     _check(x)
 
@@ -82,7 +86,8 @@ _cache_doc = st.dictionaries(st.sampled_from(["key", "value", "window", "sinks",
                              st.one_of(_json_value, _quant_doc), max_size=5)
 
 
-@settings(max_examples=JSON_SPECS, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=JSON_SPECS, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+          derandomize=True)
 @given(_cache_doc)
 def test_json_specs_with_wrong_types_are_refused_in_one_line(doc):
     for x in (doc, json.dumps(doc)):
