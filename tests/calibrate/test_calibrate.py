@@ -229,7 +229,7 @@ def test_artifact_bad_input(tiny_llama, tiny_mixed_sliding, skvq_artifact, tmp_p
         load_artifact(tmp_path / "corrupt")
     shutil.copytree(path, tmp_path / "garbled")
     (tmp_path / "garbled" / "tensors.safetensors").write_bytes(b"\x00" * 20)
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="does not match the checksum"):
         load_artifact(tmp_path / "garbled")
     with pytest.raises(ValueError, match="not a directory"):
         load_artifact(tmp_path / "nowhere")

@@ -11,6 +11,7 @@ import torch
 
 from _families import random_value_transform
 from kvsqueeze.adapter import QuantizedCache
+from kvsqueeze.artifact import SPEC_FILE, seal_document
 from kvsqueeze.cache.codecs_transform import TransformedCodec
 from kvsqueeze.cache.factory import make_codec
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, load_artifact
@@ -168,6 +169,9 @@ def test_ill_conditioned_or_inconsistent_transforms_are_refused_at_load(learned,
         else:
             t[key + "_inv"] = t[key + "_inv"] * 1.01
         save_file(t, str(bad / "tensors.safetensors"))
+        # re-sealed, as a hand-written artifact would be: the transform checks, not the checksum, must refuse it
+        doc = json.loads((bad / SPEC_FILE).read_text())
+        (bad / SPEC_FILE).write_text(json.dumps(seal_document(doc, bad / "tensors.safetensors")))
         with pytest.raises(ValueError, match=match):
             load_artifact(bad)
 
