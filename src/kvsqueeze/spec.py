@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import CacheSpecError
+
 INT_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 PACKABLE_BITS = (1, 2, 3, 4, 8)  # bit widths with a dense uint8 packing; others are stored one code per byte
 ROT_FORMATS = ("rot", "rot-qjl")  # rotated codebook formats (docs/rotated.md); bits may be fractional
@@ -101,24 +103,24 @@ class QuantSpec:
         """Channels sharing one scale (per-token layout), checked against head_dim."""
         g = head_dim if self.group is None else self.group
         if head_dim % g:
-            raise ValueError(f"group size {g} does not divide head_dim {head_dim}; use a divisor of {head_dim}")
+            raise CacheSpecError(f"group size {g} does not divide head_dim {head_dim}; use a divisor of {head_dim}")
         return g
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Raise ValueError when this spec cannot store vectors of ``head_dim`` channels."""
+        """Raise CacheSpecError (a ValueError) when this spec cannot store vectors of ``head_dim`` channels."""
         if self.fmt == "int":
             if self.axis == "token":
                 self.channel_group(head_dim)
             if self.bits == 3 and head_dim % 8:
-                raise ValueError(f"3-bit codes are packed 8 per 3 bytes; head_dim {head_dim} is not a multiple of 8")
+                raise CacheSpecError(f"3-bit codes are packed 8 per 3 bytes; head_dim {head_dim} is not a multiple of 8")
             if self.bits in (1, 2, 4) and head_dim % (8 // self.bits):
-                raise ValueError(f"{self.bits}-bit packing needs head_dim divisible by {8 // self.bits}")
+                raise CacheSpecError(f"{self.bits}-bit packing needs head_dim divisible by {8 // self.bits}")
         if self.fmt in ROT_FORMATS:  # the rule of kvsqueeze.quant.codebook.split_bits (which builds the split)
             n_hi = (self.bits - int(self.bits)) * head_dim
             if head_dim < 8 or head_dim & (head_dim - 1):
-                raise ValueError(f"the {self.fmt} format needs a power-of-two head_dim >= 8, got {head_dim}")
+                raise CacheSpecError(f"the {self.fmt} format needs a power-of-two head_dim >= 8, got {head_dim}")
             if abs(n_hi - round(n_hi)) > 1e-9 or round(n_hi) % 8:
-                raise ValueError(f"{self.bits} bits cannot be split over head_dim {head_dim}: use a multiple of "
+                raise CacheSpecError(f"{self.bits} bits cannot be split over head_dim {head_dim}: use a multiple of "
                                  f"{8 / head_dim:g} bits (8 rotated coordinates at one more bit)")
 
     def label(self) -> str:
@@ -224,8 +226,12 @@ class CacheSpec:
         return max(0, n_tokens - self.sinks - self.window) // f * f
 
     def check_head_dim(self, head_dim: int) -> None:
-        self.key.check_head_dim(head_dim)
-        self.value.check_head_dim(head_dim)
+        """A spec that parses but does not fit a model's heads is refused as a CacheSpecError naming the side."""
+        for side, q in (("keys", self.key), ("values", self.value)):
+            try:
+                q.check_head_dim(head_dim)
+            except CacheSpecError as exc:
+                raise CacheSpecError(f"cache {self.name!r} does not fit this model: {side}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         # tensors of calibrated specs are not JSON: they are summarised (the artifact directory holds them)
