@@ -46,6 +46,16 @@ def json_destination(text: str) -> str:
     return text
 
 
+def csv(kind):
+    """An argparse type: a comma-separated list of ``kind`` (empty items dropped)."""
+    def parse(text: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
 def add_model(p: argparse.ArgumentParser, help: str = MODEL_HELP) -> None:
     p.add_argument("--model", default=None, help=help)
 

@@ -7,20 +7,11 @@ import argparse
 from . import _options
 
 
-def _csv(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _options.add_model_and_threads(p)
     p.add_argument("--quick", action="store_true",
                    help="small sizes and fewer caches: under 10 minutes on 2 cores with the embedded model")
-    p.add_argument("--kv", type=_csv(str), default=None,
+    p.add_argument("--kv", type=_options.csv(str), default=None,
                    help="comma-separated caches to measure instead of the default presets and peers: each a "
                         "preset, a spec string, a calibration artifact directory or a peer (as --kv of kvsqueeze "
                         "ppl), vllm:<kv_cache_dtype> included (vLLM in its own process: all-quantized ppl and "
@@ -36,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--lengths", default=None, help="retrieval lengths, e.g. 1k,2k")
     size.add_argument("--depths", default=None, help="retrieval depths, e.g. 0,0.5,1")
     size.add_argument("--trials", type=int, default=None, help="retrieval trials per (length, depth)")
-    size.add_argument("--speed-contexts", type=_csv(int), default=None, help="two speed contexts, e.g. 1024,8192")
+    size.add_argument("--speed-contexts", type=_options.csv(int), default=None, help="two speed contexts, e.g. 1024,8192")
     size.add_argument("--decode-tokens", type=int, default=None, help="decode steps timed per speed context")
     size.add_argument("--retrieval-format", default=None, choices=["plain", "chat"], help="passkey prompt format")
     _options.add_prefill_chunk(p)

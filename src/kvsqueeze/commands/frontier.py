@@ -7,28 +7,19 @@ import argparse
 from . import _options
 
 
-def _csv(kind):
-    def parse(text: str) -> list:
-        try:
-            return [kind(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from kvsqueeze.eval.bench import FULL_PRESETS
     from kvsqueeze.eval.frontier import BUDGETS, PEERS
 
     _options.add_model_and_threads(p)
-    p.add_argument("--kv", type=_csv(str), default=None,
+    p.add_argument("--kv", type=_options.csv(str), default=None,
                    help="comma-separated kvsqueeze caches to choose from: presets, spec strings, calibration "
                         "artifact directories (e.g. those of calibrate --method auto --bits B) "
                         f"(default: {','.join(c for c in FULL_PRESETS if c != 'full')})")
-    p.add_argument("--peers", type=_csv(str), default=None,
+    p.add_argument("--peers", type=_options.csv(str), default=None,
                    help=f"comma-separated peers; those that cannot run here (a missing library, vLLM not installed) "
                         f"are skipped with a note (default: {','.join(PEERS)})")
-    p.add_argument("--budgets", type=_csv(float), default=list(BUDGETS),
+    p.add_argument("--budgets", type=_options.csv(float), default=list(BUDGETS),
                    help=f"bits per element of the quantized part (default {','.join(map(str, BUDGETS))})")
     _options.add_corpus(p.add_mutually_exclusive_group(), "perplexity corpus")
     p.add_argument("--context", type=_options.positive_int, default=2048, help="tokens per chunk (default 2048)")

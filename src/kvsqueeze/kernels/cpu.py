@@ -295,13 +295,11 @@ class KernelPlan:
     head: _StoredRun | None = None
     head_at: int = 0
 
-    _NATIVE = ("parts", "positions", "lengths", "is_new", "format_index", "formats", "mask", "kv_offset",
-               "query_start", "scaling")
-
     def native(self, ext: ModuleType):
         out = ext.KernelPlan()
-        for name in self._NATIVE:
-            setattr(out, name, getattr(self, name))
+        for name in self.__dataclass_fields__:
+            if name not in ("head", "head_at"):  # the C++ struct's fields are the others
+                setattr(out, name, getattr(self, name))
         if self.head is not None:
             out.insert_head(self.head.native(ext), self.head_at)
         return out

@@ -21,7 +21,7 @@ from .base import (
     option,
     value_label,
 )
-from .kvquant import KEY_BITS_HELP, NUQ_HELP, OUTLIERS_HELP
+from .kvquant import KEY_BITS_HELP, NUQ_HELP, OUTLIERS_HELP, check_outliers, key_label
 from .skvq import SINKS_HELP, WINDOW_HELP, value_quant
 
 
@@ -44,16 +44,15 @@ class HybridSettings:
     def __post_init__(self) -> None:
         check_choice("clip mode", self.clip, CLIP_MODES)
         check_bits(self.key_bits, self.value_bits)
-        if self.outliers < 0:
-            raise ValueError(f"outliers per token must be >= 0, got {self.outliers}")
+        check_outliers(self.outliers)
         check_exact(self.window, self.sinks)
 
     def value_quant(self) -> QuantSpec:
         return value_quant(self.value_bits, self.value_group, self.param_dtype)
 
     def name(self, model_name: str) -> str:
-        k = f"k{self.key_bits}pre-o{self.outliers}" + ("-nuq" if self.nuq else "")
-        return clean_name([model_name, "hybrid", k, f"v{value_label(self.value_bits)}g{group_label(self.value_group)}",
+        return clean_name([model_name, "hybrid", key_label(self.key_bits, self.outliers, self.nuq),
+                           f"v{value_label(self.value_bits)}g{group_label(self.value_group)}",
                            self.param_dtype.replace("-e4m3", ""), "reorder" if self.reorder else "noreorder",
                            f"clip-{self.clip}", f"w{self.window}", f"s{self.sinks}"])
 

@@ -17,6 +17,16 @@ OUTLIERS_HELP = "KVQuant keys: channels per token and head kept exactly (default
 NUQ_HELP = "KVQuant keys: non-uniform per-layer codebooks"
 
 
+def check_outliers(outliers: int) -> None:
+    if outliers < 0:
+        raise ValueError(f"outliers per token must be >= 0, got {outliers}")
+
+
+def key_label(key_bits: int, outliers: int, nuq: bool) -> str:
+    """The pre-RoPE keys' part of an artifact name (kvquant and hybrid)."""
+    return f"k{key_bits}pre-o{outliers}" + ("-nuq" if nuq else "")
+
+
 @dataclass(frozen=True)
 class KvquantSettings:
     method: ClassVar[str] = "kvquant"
@@ -34,15 +44,14 @@ class KvquantSettings:
         if self.value_bits is None:
             object.__setattr__(self, "value_bits", float(self.key_bits))
         check_bits(self.key_bits, self.value_bits)
-        if self.outliers < 0:
-            raise ValueError(f"outliers per token must be >= 0, got {self.outliers}")
+        check_outliers(self.outliers)
         check_exact(self.window, self.sinks)
 
     def value_quant(self) -> QuantSpec:
         return value_quant(self.value_bits, self.value_group, self.param_dtype)
 
     def key_label(self) -> str:
-        return f"k{self.key_bits}pre-o{self.outliers}" + ("-nuq" if self.nuq else "")
+        return key_label(self.key_bits, self.outliers, self.nuq)
 
     def name(self, model_name: str) -> str:
         return clean_name([model_name, "kvquant", self.key_label(),
