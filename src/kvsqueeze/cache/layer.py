@@ -22,8 +22,13 @@ from .plan import EXACT, Segment, SegmentPlan
 
 class FpWindow:
     """Full-precision ring of recent tokens: append writes in place, dropping from the front moves a start index;
-    the live tokens are compacted to the front of a new buffer only when the buffer end is reached (amortised
-    O(1)).  Live tokens are never overwritten in place, so a checkpoint is the buffers and two indices."""
+    when the buffer end is reached the live tokens are moved to its front (amortised O(1)).
+
+    The buffer is allocated once and reused: a fresh buffer at every wrap would touch new pages every step (the
+    writes walk through it) while the freed ones stay in the process heap, so RSS would climb by the buffer size
+    per wrap.  The move happens in place only when neither the live tokens nor those of the last checkpoint (a
+    step that fails is rolled back to it) lie where the tokens go; otherwise (an append larger than the spare
+    room) a new buffer is taken, and the old one stays intact for the checkpoint."""
 
     def __init__(self, capacity: int):
         self.capacity = max(capacity, 1)
@@ -31,10 +36,28 @@ class FpWindow:
         self.v: torch.Tensor | None = None
         self.start = 0
         self.length = 0
+        self._kept = (0, 0)  # (start, length) of the last checkpoint in the current buffers
 
     def _alloc(self, like: torch.Tensor, cap: int) -> torch.Tensor:
         b, h, _, d = like.shape
         return torch.empty((b, h, cap, d), dtype=like.dtype, device=like.device)
+
+    def _make_room(self, like: torch.Tensor, t: int) -> None:
+        """Move the live tokens to the buffer front (in place where nothing needed is overwritten), or into a new,
+        larger buffer."""
+        need = self.length + t  # the tokens written to [0, need)
+        kept_start, kept_len = self._kept
+        if need <= self.k.shape[2] and self.start >= need and (kept_len == 0 or kept_start >= need):
+            s, e = self.start, self.start + self.length
+            self.k[:, :, : self.length] = self.k[:, :, s:e]
+            self.v[:, :, : self.length] = self.v[:, :, s:e]
+            self.start = 0
+            return
+        cap = max(self.k.shape[2], 2 * need)
+        nk, nv = self._alloc(like, cap), self._alloc(like, cap)
+        nk[:, :, : self.length] = self.k[:, :, self.start:self.start + self.length]
+        nv[:, :, : self.length] = self.v[:, :, self.start:self.start + self.length]
+        self.k, self.v, self.start, self._kept = nk, nv, 0, (0, 0)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         t = k.shape[2]
@@ -43,11 +66,7 @@ class FpWindow:
         if self.k is None:
             self.k, self.v = self._alloc(k, self.capacity), self._alloc(v, self.capacity)
         if self.start + self.length + t > self.k.shape[2]:
-            cap = max(self.k.shape[2], 2 * (self.length + t))
-            nk, nv = self._alloc(k, cap), self._alloc(v, cap)
-            nk[:, :, : self.length] = self.k[:, :, self.start:self.start + self.length]
-            nv[:, :, : self.length] = self.v[:, :, self.start:self.start + self.length]
-            self.k, self.v, self.start = nk, nv, 0
+            self._make_room(k, t)
         end = self.start + self.length
         self.k[:, :, end:end + t] = k
         self.v[:, :, end:end + t] = v
@@ -60,6 +79,7 @@ class FpWindow:
         return self.k[:, :, s:e], self.v[:, :, s:e]
 
     def checkpoint(self) -> tuple:
+        self._kept = (self.start, self.length)
         return self.k, self.v, self.start, self.length
 
     def restore(self, state: tuple) -> None:
@@ -76,7 +96,7 @@ class FpWindow:
         if self.k is not None:
             k, v = self.view()
             self.k, self.v = fn(k).contiguous(), fn(v).contiguous()
-            self.start = 0
+            self.start, self._kept = 0, (0, 0)
 
     def nbytes(self) -> tuple[int, int]:
         if self.k is None:
@@ -131,7 +151,9 @@ class LayerKV:
         self.sink_k: torch.Tensor | None = None
         self.sink_v: torch.Tensor | None = None
         self.store: BlockStore | None = None
-        self.window = FpWindow(2 * (spec.window + spec.flush_tokens))
+        # room for the live window (< window + flush tokens) twice over plus one flush: a wrap then moves the tokens
+        # in place even in a step that also flushed (see FpWindow)
+        self.window = FpWindow(2 * spec.window + 3 * spec.flush_tokens)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.shape: tuple[int, int, int] | None = None  # batch, kv heads, head_dim
         self.dtype: torch.dtype | None = None
