@@ -1,5 +1,6 @@
-"""The C++ kernel's build lock: an interrupted build never makes a later process wait for ever."""
+"""The C++ kernel's build: an interrupted build never makes a later process wait for ever; sources staged once per build."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -62,3 +63,20 @@ def test_a_build_leaves_the_flags_and_so_every_build_name_alone(monkeypatch, tmp
     names = {isa: cpu._build_name(isa) for isa in cpu.runnable_isas()}
     assert cpu.load_extension(isa="generic") is not None
     assert {isa: cpu._build_name(isa) for isa in names} == names
+
+
+def test_sources_staged_in_the_build_folder_and_left_alone_when_unchanged(tmp_path):
+    """The build compiles a copy kept in its own folder, so checkouts with identical sources share one build;
+    an unchanged copy keeps its mtime (ninja would rebuild otherwise), a stale one is replaced."""
+    main = cpu._stage_sources(tmp_path)
+    originals = sorted(cpu._SOURCE.parent.glob("*.[ch]*"))
+    assert main == tmp_path / "src" / cpu._SOURCE.name
+    assert [(f.name, f.read_bytes()) for f in originals] == \
+        [(f.name, f.read_bytes()) for f in sorted((tmp_path / "src").iterdir())]
+    before = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "src").iterdir()}
+    os.utime(main, ns=(1, 1))
+    main.write_bytes(b"// stale\n")
+    cpu._stage_sources(tmp_path)
+    assert main.read_bytes() == cpu._SOURCE.read_bytes()
+    after = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "src").iterdir()}
+    assert {k: v for k, v in after.items() if k != main.name} == {k: v for k, v in before.items() if k != main.name}

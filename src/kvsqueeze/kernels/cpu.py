@@ -139,6 +139,21 @@ def _build_directory(name: str) -> Path:
     return Path(root) / "kvsqueeze" / name
 
 
+def _stage_sources(build_dir: Path) -> Path:
+    """Copy the sources into the build folder and return the copy of the main file: ninja's build file names the
+    source path, so two checkouts (or virtualenvs) with identical sources would otherwise rebuild in turn."""
+    staged = build_dir / "src"
+    staged.mkdir(exist_ok=True)
+    for f in sorted(_SOURCE.parent.glob("*.[ch]*")):
+        target = staged / f.name
+        data = f.read_bytes()
+        if not target.is_file() or target.read_bytes() != data:
+            tmp = staged / f".{f.name}.tmp-{os.getpid()}"
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+    return staged / _SOURCE.name
+
+
 @contextlib.contextmanager
 def _build_lock(build_dir: Path):
     """Hold an exclusive lock on ``build_dir`` across processes; a stale torch ``lock`` file found under it is
@@ -177,7 +192,8 @@ def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType 
                 name = _build_name(isa)
                 build_dir = _build_directory(name)
                 with _build_lock(build_dir):
-                    ext = load(name=name, sources=[str(_SOURCE)], verbose=verbose, build_directory=str(build_dir),
+                    source = _stage_sources(build_dir)
+                    ext = load(name=name, sources=[str(source)], verbose=verbose, build_directory=str(build_dir),
                                extra_cflags=_flags(isa), extra_ldflags=list(_LDFLAGS))  # load() appends to it
             except Exception as err:  # no compiler, no ninja, headers missing: fall back to the reference
                 _failed[isa] = f"{type(err).__name__}: {err}"
