@@ -27,8 +27,8 @@ FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 DENIED = {errno.EACCES, errno.EROFS, errno.EPERM}
 # .NAME.tmp-<pid>-<rand> (being written) and .NAME.old-<pid>-<rand> (the previous NAME, during a two-rename swap)
 _STAGING = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
-# names older versions used, without a pid: removed once they are an hour old
-_LEGACY = re.compile(r"^\.(.+\.tmp-[A-Za-z0-9_]{8}|.+\.[A-Za-z0-9_]{8}\.tmp|.+\.partial)$")
+# bench's report folders as older versions staged them (no pid): removed once they are an hour old
+_LEGACY_BENCH = re.compile(r"^\.\d{8}-\d{6}(-\d+)?\.partial$")
 LEGACY_AGE_S = 3600
 
 
@@ -55,9 +55,22 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def clean_stale(folder: Path) -> list[Path]:
+def _legacy(entry: str, name: str | None) -> bool:
+    """A staging name older versions used for ``name`` (mkdtemp's ``.NAME.tmp-XXXXXXXX``, mkstemp's
+    ``.NAME.XXXXXXXX.tmp``): without a pid, only its age says it is stale.  Matched for the name being written
+    only, so another program's hidden files are never taken for ours."""
+    if _LEGACY_BENCH.match(entry):
+        return True
+    if name is None or not entry.startswith(f".{name}."):
+        return False
+    rest = entry[len(name) + 2:]
+    return re.fullmatch(r"tmp-[A-Za-z0-9_]{8}|[A-Za-z0-9_]{8}\.tmp", rest) is not None
+
+
+def clean_stale(folder: Path, name: str | None = None) -> list[Path]:
     """Remove the staging entries in ``folder`` left by writers that no longer run (best effort); a previous
-    ``NAME`` moved aside by a writer killed mid-swap is put back when ``NAME`` is missing.  Returns what it did."""
+    ``NAME`` moved aside by a writer killed mid-swap is put back when ``NAME`` is missing.  Entries of older
+    versions (no pid) are removed for ``name`` once they are an hour old.  Returns what it removed or restored."""
     done = []
     try:
         entries = list(folder.iterdir())
@@ -74,7 +87,7 @@ def clean_stale(folder: Path) -> list[Path]:
                 else:
                     _remove(entry)
                 done.append(entry)
-            elif m is None and _LEGACY.match(entry.name) and now - entry.lstat().st_mtime > LEGACY_AGE_S:
+            elif m is None and _legacy(entry.name, name) and now - entry.lstat().st_mtime > LEGACY_AGE_S:
                 _remove(entry)
                 done.append(entry)
         except OSError:
@@ -167,7 +180,7 @@ def staged_directory(dest: str | Path, keep_existing: bool = False) -> Iterator[
     dest = Path(dest)
     with disk_errors(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(dest.parent)
+        clean_stale(dest.parent, dest.name)
         tmp = staging_path(dest)
         tmp.mkdir()
     try:
@@ -189,7 +202,7 @@ def staged_file(dest: str | Path) -> Iterator[Path]:
     dest = Path(dest)
     with disk_errors(dest):
         dest.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(dest.parent)
+        clean_stale(dest.parent, dest.name)
         tmp = staging_path(dest)
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, unlike mkstemp
     try:

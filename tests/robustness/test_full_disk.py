@@ -205,13 +205,18 @@ def test_live_and_fresh_staging_is_left_alone(tmp_path: Path) -> None:
         live.mkdir()
         legacy_fresh = tmp_path / ".c.tmp-abcdefgh"
         legacy_fresh.mkdir()
-        legacy_old = tmp_path / ".d.json.1a2b3c4d.tmp"
+        legacy_old = tmp_path / ".d.json.1a2b3c4d.tmp"  # an older version's staging of d.json, a day old
         legacy_old.write_text("{")
-        os.utime(legacy_old, (0, 0))
+        other = tmp_path / ".other.1a2b3c4d.tmp"  # not d.json's: not ours to judge
+        other.write_text("{")
+        for p in (legacy_old, legacy_fresh, other):
+            os.utime(p, (0, 0) if p != legacy_fresh else None)
         dead = tmp_path / f".e.tmp-{_dead_pid()}-0123abcd"
         dead.write_text("x")
-        clean_stale(tmp_path)
-        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, live.name, legacy_fresh.name])
+        clean_stale(tmp_path, "d.json")
+        clean_stale(tmp_path, "c")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, live.name, legacy_fresh.name,
+                                                                      other.name])
     finally:
         sleeper.kill()
         sleeper.wait()
