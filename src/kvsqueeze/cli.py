@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvsqueeze{' ' + command if command else ''}: interrupted; nothing partial was written",
               file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvsqueeze presets | head`: the reader left; no traceback, no second error at exit
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose reader left
 
 
 def _main(argv: list[str]) -> int:
