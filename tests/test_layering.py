@@ -19,7 +19,8 @@ ROOT = Path(kvsqueeze.__file__).parent
 
 # part -> layer rank (the first dotted component under kvsqueeze; modules and sub-packages alike)
 RANKS = {
-    "_version": 0, "errors": 0, "user_cache": 0, "atomic_dir": 0, "heap": 0,
+    "_version": 0, "errors": 0, "user_cache": 0, "heap": 0,
+    "atomic_dir": 0.5,  # atomic writes raise the DiskWriteError of errors
     "external": 1,
     "spec": 1, "rope": 1, "corpus": 1, "models": 1, "transforms": 1,
     "layout": 1.5,  # reads a model's attention facts, RoPE tables included
@@ -30,7 +31,7 @@ RANKS = {
     "adapter": 7,
     "calibrate": 8, "eval": 8, "engines": 8,
     "commands": 9, "cli": 10,
-    "__init__": 11,
+    "__init__": 11, "__main__": 11,
 }
 
 

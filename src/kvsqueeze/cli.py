@@ -63,11 +63,27 @@ def _load(module: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if a in COMMANDS), None)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's 128 + SIGINT; outputs are staged, none is partial
+        print(f"kvsqueeze{' ' + command if command else ''}: interrupted; nothing partial was written",
+              file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `kvsqueeze presets | head`: the reader left; no traceback, no second error at exit
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command whose reader left
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser(next((a for a in argv if a in COMMANDS), None))
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    from .atomic_dir import disk_error
     from .commands._options import json_output
 
     try:
@@ -76,9 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KvsqueezeError, ValueError) as exc:  # bad input: one clear line, exit code 2
         print(f"kvsqueeze {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
-
+    except OSError as exc:  # a full disk or read-only target the writer did not name itself: still one line
+        err = disk_error(exc, exc.filename)
+        if err is None:
+            raise
+        print(f"kvsqueeze {args.command}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ import importlib.util
 import io
 import os
 import platform
-import tempfile
+import sys
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -173,17 +173,18 @@ def _short(exc: Exception) -> str:
     return f"{type(exc).__name__}: {first[:160]}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def _cache(path: Path, data: bytes) -> str:
+    """Keep a verified download; a cache that cannot be written (full disk, read-only) only costs a re-download
+    next time: one warning line, the run goes on."""
+    from .atomic_dir import write_file_atomic
+    from .errors import DiskWriteError
+
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_file_atomic(path, data)
+    except DiskWriteError as exc:
+        print(f"kvsqueeze: warning: corpus not cached: {exc}", file=sys.stderr)
+        return f"not cached ({exc})"
+    return f"cached at {path}"
 
 
 def fetch_wikitext2(steps: list[str]) -> Corpus | None:
@@ -210,8 +211,7 @@ def fetch_wikitext2(steps: list[str]) -> Corpus | None:
             mismatches.append(src.label)
             continue
         cache = wikitext2_cache_path()
-        _write_atomic(cache, data)
-        steps.append(f"{src.label}: fetched, sha256 verified, cached at {cache}")
+        steps.append(f"{src.label}: fetched, sha256 verified, {_cache(cache, data)}")
         return Corpus(text=text, name="wikitext2", source=src.label, sha256=digest,
                       description="WikiText-2 raw, test split", resolution=tuple(steps),
                       reference_sha256=WIKITEXT2_SHA256)

@@ -33,3 +33,8 @@ class MissingDependencyError(KvsqueezeError):
 
 class UnsupportedCacheError(KvsqueezeError):
     """A valid cache used where it cannot work (a peer where only kvsqueeze's own caches can be built)."""
+
+
+class DiskWriteError(KvsqueezeError):
+    """An output could not be written: the disk (or a quota, or the file-size limit) is full, or the target is
+    read-only.  Nothing partial is left behind and what was there before is unchanged."""

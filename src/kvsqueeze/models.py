@@ -15,10 +15,7 @@ import io
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,10 +101,11 @@ def load_model(
             source = _gguf_to_cache(embedded_gguf_path(), cache_dir, progress)
         else:
             source = _resolve(name_or_path, cache_dir, progress)
-        return _prepare(*_load(source, dtype), dtype)
+        # a tuple: the converted GGUF model itself, its cache entry could not be written
+        return _prepare(*(source if isinstance(source, tuple) else _load(source, dtype)), dtype)
 
 
-def _resolve(name_or_path: str | Path, cache_dir: str | Path | None, progress: bool) -> str | Path:
+def _resolve(name_or_path: str | Path, cache_dir: str | Path | None, progress: bool) -> str | Path | tuple[Any, Any]:
     """A local folder to load from (converting a GGUF file first), or the hub id as given."""
     path = Path(name_or_path).expanduser()
     if str(name_or_path).lower().endswith(".gguf"):
@@ -209,8 +207,12 @@ def _quiet(progress: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _gguf_to_cache(gguf_path: Path, cache_dir: str | Path | None, progress: bool) -> Path:
-    """Convert ``gguf_path`` to a float Hugging Face checkpoint once; return its folder."""
+def _gguf_to_cache(gguf_path: Path, cache_dir: str | Path | None, progress: bool) -> Path | tuple[Any, Any]:
+    """Convert ``gguf_path`` to a float Hugging Face checkpoint once; return its folder.  Where the cache cannot
+    be written (full disk, read-only), the converted (model, tokenizer) are returned after a one-line warning."""
+    from .atomic_dir import staged_directory
+    from .errors import DiskWriteError
+
     entry = gguf_cache_entry(gguf_path, cache_dir)
     if (entry / "config.json").is_file():
         return entry
@@ -218,30 +220,22 @@ def _gguf_to_cache(gguf_path: Path, cache_dir: str | Path | None, progress: bool
 
     if progress:
         print(f"kvsqueeze: converting {gguf_path.name} to float once, cached at {entry}", file=sys.stderr)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    for stale in entry.parent.glob(f".{entry.name}.tmp-*"):  # left by a killed conversion
-        if time.time() - stale.stat().st_mtime > 3600:
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.tmp-", dir=entry.parent))
+    quant = GgufConfig(gguf_file=gguf_path.name, dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, quantization_config=quant, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    # The weights are plain float tensors now; drop the GGUF marker so it saves as a normal checkpoint.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
     try:
-        quant = GgufConfig(gguf_file=gguf_path.name, dequantize=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, quantization_config=quant, dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        # The weights are plain float tensors now; drop the GGUF marker so it saves as a normal checkpoint.
-        if getattr(model, "hf_quantizer", None) is not None:
-            model.hf_quantizer.remove_quantization_config(model)
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        try:
-            tmp.rename(entry)  # atomic: the entry either is complete or does not exist
-        except OSError:
-            if not (entry / "config.json").is_file():  # not a concurrent writer winning the race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # staged: the entry either is complete or does not exist; a concurrent writer's finished entry wins
+        with staged_directory(entry, keep_existing=True) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    except DiskWriteError as exc:
+        print(f"kvsqueeze: warning: converted model not cached: {exc}", file=sys.__stderr__)
+        return model, tokenizer
     return entry
 
 

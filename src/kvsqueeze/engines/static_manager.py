@@ -468,9 +468,13 @@ class StaticKVQuant:
 
     # ----- persistence
     def save(self, path: str | Path) -> None:
-        np.savez(Path(path), k_scale=self.k_scale, k_zero=self.k_zero, v_scale=self.v_scale, v_zero=self.v_zero,
-                 header=np.array(json.dumps({"bits": self.bits, "symmetric": self.symmetric,
-                                             "granularity": self.granularity, "meta": self.meta})))
+        from ..atomic_dir import staged_file
+
+        path = Path(path) if str(path).endswith(".npz") else Path(f"{path}.npz")  # np.savez's own naming
+        with staged_file(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, k_scale=self.k_scale, k_zero=self.k_zero, v_scale=self.v_scale, v_zero=self.v_zero,
+                     header=np.array(json.dumps({"bits": self.bits, "symmetric": self.symmetric,
+                                                 "granularity": self.granularity, "meta": self.meta})))
 
     @classmethod
     def load(cls, path: str | Path) -> StaticKVQuant:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -386,19 +384,15 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
 
 def write_report(results: dict[str, Any], out_root: Path) -> Path:
     """report.md, results.json and the plots, written into a hidden folder renamed into place at the end."""
+    from ..atomic_dir import staged_directory
+
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     final = out_root / stamp
     k = 1
     while final.exists():
         final, k = out_root / f"{stamp}-{k}", k + 1
-    tmp = out_root / f".{final.name}.partial"
-    tmp.mkdir(parents=True, exist_ok=False)
-    try:
+    with staged_directory(final) as tmp:
         plots = report.write_plots(results, tmp)
         (tmp / "report.md").write_text(report.markdown(results, plots), encoding="utf-8")
         meta.write_json_atomic(tmp / "results.json", results)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return final

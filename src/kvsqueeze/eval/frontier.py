@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..atomic_dir import write_file_atomic
 from ..resolve import resolve_kv
 from . import meta, report
 
@@ -159,8 +160,7 @@ def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float
         results["skipped"] = list(dict.fromkeys(previous.get("skipped", []) + results["skipped"]))
     results["frontier"] = frontier_rows(results, budgets)
     results["meta"] = {"threads": threads, "machine": meta.machine_info(), "date": meta.now(), **info}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "frontier.md").write_text(markdown(results["frontier"], results), encoding="utf-8")
+    write_file_atomic(out / "frontier.md", markdown(results["frontier"], results))
     meta.write_json_atomic(out / "frontier.json", results)
     plot = report.plot_ppl_vs_bits(results, out / "frontier.png", bits_field="quantized_bits_per_element")
     results["plot"] = None if plot is None else str(plot)

@@ -8,7 +8,6 @@ import math
 import os
 import platform
 import shlex
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -109,19 +108,10 @@ def check_context(model: Any, context: int, what: str = "context") -> None:
 
 def write_json_atomic(path: str | Path, obj: Any) -> Path:
     """Write JSON to a temporary file next to ``path`` and rename it: a reader never sees a partial file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(_finite(obj), f, indent=2, allow_nan=False, default=str)
-            f.write("\n")
-        os.chmod(tmp, 0o644)  # mkstemp creates it private; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    from ..atomic_dir import write_file_atomic
+
+    text = json.dumps(_finite(obj), indent=2, allow_nan=False, default=str) + "\n"  # fails before any file exists
+    return write_file_atomic(path, text)
 
 
 def _finite(obj: Any) -> Any:

@@ -277,7 +277,7 @@ def plot_capacity(results: dict[str, Any], path: Path) -> Path | None:
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle("Capacity of the memory budget (projected from measured peaks and exact cache bytes)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -373,7 +373,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bit
         ax.set_title(label, fontsize=9)
     fig.suptitle("Perplexity vs storage (circles: kvsqueeze presets, triangles: peers)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -415,7 +415,7 @@ def plot_decode_vs_context(results: dict[str, Any], path: Path) -> Path | None:
     _line_plot(ax, series, kinds, "decode ms/token (median)")
     ax.set_title(f"Decode time per token, {results['meta']['threads']} threads", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -432,7 +432,7 @@ def plot_memory_vs_context(results: dict[str, Any], path: Path) -> Path | None:
     axes[0].set_title("Peak RSS during prefill + decode", fontsize=10)
     axes[1].set_title("Bytes held by the cache", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -460,7 +460,7 @@ def plot_retrieval(retrieval: dict[str, dict[str, Any]], path: Path) -> Path | N
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="passkey accuracy")
-    fig.savefig(path, dpi=110)
+    _savefig(fig, path)
     plt.close(fig)
     return path
 
@@ -472,3 +472,11 @@ def write_plots(results: dict[str, Any], folder: Path) -> list[str]:
             plot_capacity(results, folder / "capacity.png"),
             plot_retrieval(results.get("retrieval", {}), folder / "retrieval.png")]
     return [str(p) for p in made if p is not None]
+
+
+def _savefig(fig: Any, path: str | Path) -> None:
+    """Atomically: a plot is complete or absent (the format comes from ``path``'s suffix, not the staging name)."""
+    from ..atomic_dir import staged_file
+
+    with staged_file(path) as tmp:
+        fig.savefig(tmp, dpi=110, format=Path(path).suffix.lstrip(".") or "png")
