@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 import kvsqueeze
 from _families import FAMILIES, build, random_value_transform
+from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.calibrate import CalibrationSettings, calibrate, load_artifact
 from kvsqueeze.calibrate.collect import CalibrationData, model_rope_tables
 from kvsqueeze.calibrate.fold import fold_transforms
@@ -54,9 +55,9 @@ def _ids(length: int, seed: int = 0) -> torch.Tensor:
 
 def _run(m, ids, cache, prompt: int) -> torch.Tensor:
     with torch.no_grad():
-        out = [m(ids[:, :prompt], past_key_values=cache, use_cache=True).logits]
+        out = [m(ids[:, :prompt], **cache_kwargs(m, cache), use_cache=True).logits]
         for t in range(prompt, ids.shape[1]):
-            out.append(m(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            out.append(m(ids[:, t:t + 1], **cache_kwargs(m, cache), use_cache=True).logits)
     return torch.cat(out, dim=1)
 
 
@@ -88,7 +89,7 @@ def test_every_preset_runs_and_full_equals_the_models_own_attention(family):
     m = model(family)
     ids = _ids(40)
     with torch.no_grad():
-        ref = m(ids, past_key_values=DynamicCache(config=m.config), use_cache=True).logits
+        ref = m(ids, **cache_kwargs(m, DynamicCache(config=m.config)), use_cache=True).logits
     full = _run(m, ids, kvsqueeze.QuantizedCache(m.config, "full", backend="torch"), 24)
     assert _rel(full, ref) <= 1e-5
     window = [nll_window(m, ids, spec) for spec in (kvsqueeze.PRESETS["full"],)]

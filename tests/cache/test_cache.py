@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from kvsqueeze import QuantizedCache, preset
+from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.cache.emulate import fake_quantize_cache
 from kvsqueeze.kernels import reference
 from kvsqueeze.spec import CacheSpec, QuantSpec
@@ -24,9 +25,9 @@ def _ids(n, batch=1, seed=0):
 def _decode(model, ids, cache, prefix):
     """Prefill ``prefix`` tokens, then feed the rest one at a time; return all logits [B, T, V]."""
     with torch.no_grad():
-        out = [model(ids[:, :prefix], past_key_values=cache).logits]
+        out = [model(ids[:, :prefix], **cache_kwargs(model, cache)).logits]
         for t in range(prefix, ids.shape[1]):
-            out.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+            out.append(model(ids[:, t:t + 1], **cache_kwargs(model, cache)).logits)
     return torch.cat(out, dim=1)
 
 
@@ -119,7 +120,7 @@ def test_generate_full_preset_matches_dynamic_cache(tiny_llama):
     with torch.no_grad():
         ref = tiny_llama.generate(ids, max_new_tokens=32, do_sample=False)
         got = tiny_llama.generate(ids, max_new_tokens=32, do_sample=False,
-                                  past_key_values=QuantizedCache(tiny_llama.config, "full"))
+                                  **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, "full")))
     assert got.tolist() == ref.tolist()
 
 
@@ -135,7 +136,7 @@ def test_embedded_int8_generates_the_same_tokens_as_dynamic_cache(embedded):
               pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         ref = model.generate(ids, **kw)
-        got = model.generate(ids, past_key_values=QuantizedCache(model.config, "int8"), **kw)
+        got = model.generate(ids, **cache_kwargs(model, QuantizedCache(model.config, "int8")), **kw)
     assert got.sequences.tolist() == ref.sequences.tolist()
     diffs = torch.stack([(a - b).abs() for a, b in zip(got.scores, ref.scores)])
     assert diffs.max() < 0.5 and diffs.mean() < 0.06
@@ -146,7 +147,7 @@ def test_beam_search_full_preset_matches_dynamic(tiny_llama):
     kw = dict(max_new_tokens=12, num_beams=3, do_sample=False, num_return_sequences=2)
     with torch.no_grad():
         ref = tiny_llama.generate(ids, **kw)
-        got = tiny_llama.generate(ids, past_key_values=QuantizedCache(tiny_llama.config, "full"), **kw)
+        got = tiny_llama.generate(ids, **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, "full")), **kw)
     assert got.tolist() == ref.tolist()
 
 
@@ -154,7 +155,7 @@ def test_beam_search_quantized_runs_and_reorders(tiny_llama):
     ids = _ids(60)
     cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
     with torch.no_grad():
-        out = tiny_llama.generate(ids, past_key_values=cache, max_new_tokens=40, num_beams=3, do_sample=False)
+        out = tiny_llama.generate(ids, **cache_kwargs(tiny_llama, cache), max_new_tokens=40, num_beams=3, do_sample=False)
     assert out.shape == (1, 100)
     assert cache.layers[0].kv.shape[0] == 3 and cache.layers[0].kv.n_history > 0
 
@@ -169,9 +170,9 @@ def test_batch_with_left_padding_matches_unpadded_rows(tiny_llama):
     with torch.no_grad():
         ref_a = tiny_llama.generate(a[None], max_new_tokens=10, do_sample=False)[0, 20:]
         got = tiny_llama.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                  past_key_values=QuantizedCache(tiny_llama.config, "full"))
+                                  **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, "full")))
         tiny_llama.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                            past_key_values=QuantizedCache(tiny_llama.config, SMALL_KIVI))
+                            **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, SMALL_KIVI)))
     assert got[0, 28:].tolist() == ref_a.tolist()
 
 
@@ -185,7 +186,7 @@ def test_crop(tiny_llama, remove):
     cache.crop(-remove)
     assert cache.get_seq_length() == 150 - remove
     with torch.no_grad():
-        tiny_llama(ids[:, 150 - remove:], past_key_values=cache)
+        tiny_llama(ids[:, 150 - remove:], **cache_kwargs(tiny_llama, cache))
     assert cache.get_seq_length() == 150
     if remove <= SMALL_KIVI.window:
         full = QuantizedCache(tiny_llama.config, SMALL_KIVI)
@@ -279,7 +280,7 @@ def test_failed_update_leaves_cache_unchanged(tiny_llama):
 
     cache.layers[-1].kv.attend = boom
     with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
-        tiny_llama(_ids(1), past_key_values=cache)
+        tiny_llama(_ids(1), **cache_kwargs(tiny_llama, cache))
     assert (cache.get_seq_length(), cache.nbytes()) == before
 
 
@@ -314,7 +315,7 @@ def test_each_layer_commits_right_after_its_attention(tiny_llama):
     already quantized what left its window."""
     cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
     with torch.no_grad():
-        tiny_llama(_ids(40), past_key_values=cache)
+        tiny_llama(_ids(40), **cache_kwargs(tiny_llama, cache))
     seen = []
     for i, layer in enumerate(cache.layers):
         inner = layer.kv.attend or reference.attend
@@ -325,7 +326,7 @@ def test_each_layer_commits_right_after_its_attention(tiny_llama):
 
         layer.kv.attend = spy
     with torch.no_grad():
-        tiny_llama(_ids(64, seed=1), past_key_values=cache)
+        tiny_llama(_ids(64, seed=1), **cache_kwargs(tiny_llama, cache))
     n = len(cache.layers)
     assert len(seen) == n
     for i, state in enumerate(seen):
@@ -341,7 +342,7 @@ def test_a_step_failing_after_earlier_layers_committed_is_rolled_back(tiny_llama
     cache = QuantizedCache(tiny_llama.config, SMALL_KIVI)
     with torch.no_grad():
         for c in (ref, cache):
-            tiny_llama(ids[:, :50], past_key_values=c)
+            tiny_llama(ids[:, :50], **cache_kwargs(tiny_llama, c))
     before = (cache.get_seq_length(), cache.nbytes())
 
     def boom(*args):
@@ -349,7 +350,7 @@ def test_a_step_failing_after_earlier_layers_committed_is_rolled_back(tiny_llama
 
     cache.layers[0 if failing == "first" else -1].kv.attend = boom
     with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
-        tiny_llama(_ids(70, seed=5), past_key_values=cache)  # 70 tokens: several groups leave the window
+        tiny_llama(_ids(70, seed=5), **cache_kwargs(tiny_llama, cache))  # 70 tokens: several groups leave the window
     assert (cache.get_seq_length(), cache.nbytes()) == before
     cache.layers[0 if failing == "first" else -1].kv.attend = None
     got = _decode(tiny_llama, ids[:, 50:], cache, 60)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from kvsqueeze.adapter import QuantizedCache
+from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 from kvsqueeze.cache.codecs_calibrated import (
     PermutedGroupCodec,
     PreRopeKeyCodec,
@@ -50,7 +50,7 @@ def hybrid_artifact(tiny_llama, tmp_path_factory):
 
 def _logits(model, ids, cache=None):
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=cache is not None).logits
+        return model(ids, **cache_kwargs(model, cache), use_cache=cache is not None).logits
 
 
 # ------------------------------------------------------------------------------------------------ exactness
@@ -102,9 +102,9 @@ def test_pre_rope_path_equals_post_rope_path_without_quantization(tiny_llama):
     cache = QuantizedCache(tiny_llama.config, spec)
     ref = _logits(tiny_llama, ids)
     with torch.no_grad():  # prompt, then token-by-token decode so history is read back from the pre-RoPE store
-        out = [tiny_llama(ids[:, :20], past_key_values=cache, use_cache=True).logits]
+        out = [tiny_llama(ids[:, :20], **cache_kwargs(tiny_llama, cache), use_cache=True).logits]
         for t in range(20, 50):
-            out.append(tiny_llama(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            out.append(tiny_llama(ids[:, t:t + 1], **cache_kwargs(tiny_llama, cache), use_cache=True).logits)
     assert cache.layers[0].kv.n_history > 0
     got = torch.cat(out, dim=1)
     assert ((got - ref).norm() / ref.norm()).item() <= 1e-4

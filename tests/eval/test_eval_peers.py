@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from kvsqueeze import QuantizedCache
+from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.errors import CacheSpecError, MissingDependencyError, UnknownCacheError
 from kvsqueeze.eval import peers
 from kvsqueeze.resolve import registered_peers, resolve_kv
@@ -17,7 +18,7 @@ def _fill(model, cache, n, seed=0, chunk=0):
     ids = torch.randint(2, 256, (1, n), generator=torch.Generator().manual_seed(seed))
     peers.prefill(model, ids[:, :-1], cache, chunk)
     with torch.no_grad():
-        model(ids[:, -1:], past_key_values=cache)  # one decode step: the quanto residual holds 1 token
+        model(ids[:, -1:], **cache_kwargs(model, cache))  # one decode step: the quanto residual holds 1 token
     return cache
 
 

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from kvsqueeze.adapter import QuantizedCache, resolve_backend
+from kvsqueeze.adapter import QuantizedCache, cache_kwargs, resolve_backend
 from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import (
@@ -145,7 +145,7 @@ def test_auto_backend_picks_cpu_and_fallback(monkeypatch):
 def _generate(model, spec: str, backend: str, ids, mask=None, n: int = 12):
     cache = QuantizedCache(model.config, spec, backend=backend)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, do_sample=False,
+        return model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False,
                               pad_token_id=1)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.adapter import QuantizedCache
+from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import (
@@ -148,7 +148,7 @@ def _chunked_logits(model, spec: str, backend: str, ids, mask, chunk: int) -> to
     with torch.no_grad():
         for s in range(0, ids.shape[1], chunk):
             m = None if mask is None else mask[:, :s + chunk]
-            out.append(model(input_ids=ids[:, s:s + chunk], attention_mask=m, past_key_values=cache,
+            out.append(model(input_ids=ids[:, s:s + chunk], attention_mask=m, **cache_kwargs(model, cache),
                              use_cache=True).logits)
     return torch.cat(out, dim=1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import assert_matches_reference, filled_layer, padding_mask, query_for
@@ -84,7 +85,7 @@ def test_greedy_generation_matches_reference_tiny_llama(tiny_llama, spec):
     def generate(backend):
         cache = QuantizedCache(tiny_llama.config, spec, backend=backend)
         with torch.no_grad():
-            return tiny_llama.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False,
+            return tiny_llama.generate(ids, **cache_kwargs(tiny_llama, cache), max_new_tokens=12, do_sample=False,
                                        pad_token_id=1)
 
     assert generate("cpu").tolist() == generate("torch").tolist()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvsqueeze.adapter import QuantizedCache
+from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 from kvsqueeze.artifact import SPEC_FILE, TENSORS_FILE, load_artifact, seal_document
 from kvsqueeze.calibrate import CalibrationSettings, calibrate
 from kvsqueeze.calibrate.collect import CalibrationData
@@ -60,7 +60,7 @@ def _outcome(path: Path, original: str, model, *, may_differ: bool) -> str:
     try:  # a change the format allows: the cache it describes must work, or be refused in one line
         cache = QuantizedCache(model.config, str(path))
         with torch.no_grad():
-            model(torch.arange(2, 42).view(1, -1), past_key_values=cache, use_cache=True)
+            model(torch.arange(2, 42).view(1, -1), **cache_kwargs(model, cache), use_cache=True)
     except KvsqueezeError as exc:
         assert "\n" not in str(exc)
         return "refused"

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.engines.onnx_export import export_static_graphs, model_fingerprint
 from kvsqueeze.engines.onnx_runner import OrtStaticEngine
 from kvsqueeze.engines.static_generation import first_divergence, greedy_generate, left_pad
@@ -161,7 +162,7 @@ def test_int8_static_vs_kvsqueeze_int8_cache(llama_factory, int8_quant, int8_gra
         n = S - len(prompt)
         a = greedy_generate(eq, eq.make_manager(), [prompt], n, keep_logits=True)
         cache = hf_adapter.QuantizedCache(model.config, "int8")
-        out = model.generate(torch.tensor([prompt]), past_key_values=cache, max_new_tokens=n, do_sample=False,
+        out = model.generate(torch.tensor([prompt]), **cache_kwargs(model, cache), max_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=1, return_dict_in_generate=True, output_logits=True)
         ref = out.sequences[0, len(prompt):].tolist()
         div = first_divergence(ref, a.tokens[0], [x.numpy() for x in out.logits], a.logits)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from _families import random_value_transform
-from kvsqueeze.adapter import QuantizedCache
+from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 from kvsqueeze.artifact import SPEC_FILE, seal_document
 from kvsqueeze.cache.codecs_transform import TransformedCodec
 from kvsqueeze.cache.factory import make_codec
@@ -31,7 +31,7 @@ def _ids(n: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def _logits(model, ids, cache=None):
     with torch.no_grad():
-        return model(ids, past_key_values=cache, use_cache=cache is not None).logits
+        return model(ids, **cache_kwargs(model, cache), use_cache=cache is not None).logits
 
 
 def _random_transforms(model, seed: int = 0, online_keys: bool = False):
