@@ -54,7 +54,7 @@ def quantize_groups(
     if symmetric and bits == 1:
         fin = torch.isfinite(xf)
         total = torch.where(fin, xf.abs().clamp_max(LIMIT), torch.zeros_like(xf)).sum(-1, keepdim=True)
-        m = total / fin.sum(-1, keepdim=True).clamp_min(1) * clip
+        m = clip * (total / fin.sum(-1, keepdim=True).clamp_min(1))
         # an all-zero group keeps scale 0 (so it decodes to exactly 0); codes are signs, nothing divides by it
         scale = to_param(torch.where(m > 0, m.clamp_min(scale_floor(param_dtype)), m), param_dtype)
         return (xf >= 0).to(torch.uint8), scale, None
