@@ -166,6 +166,67 @@ def test_codec_rule(spec, dtype):
     _check_codec(spec, dtype)
 
 
+def _calibrated_specs() -> list[QuantSpec]:
+    from kvsqueeze.quant.extras import GroupExtras, PreRopeExtras, TransformExtras
+
+    g = torch.Generator().manual_seed(5)
+    perm = torch.stack([torch.randperm(D, generator=g)])
+    skvq = QuantSpec(fmt="int", bits=3, axis="token", group=16, param_dtype="fp8-e4m3",
+                     extras=GroupExtras(perm, torch.full((1, D // 16), 0.9)))
+    lo = -torch.rand(1, D, generator=g) * 3 - 1
+    prerope = QuantSpec(fmt="int", bits=2, axis="token", group=D,
+                        extras=PreRopeExtras(lo, -lo, 1.0 / 10000 ** (torch.arange(0, D, 2) / D), outliers=2))
+    q, _ = torch.linalg.qr(torch.randn(D, D, generator=g))
+    transform = QuantSpec(fmt="int", bits=4, axis="token", group=32, extras=TransformExtras(q[None], q.T[None]))
+    return [skvq, prerope, transform]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_calibrated_codecs(dtype):
+    """SKVQ groups (permuted, per-group clip, fp8 parameters), pre-RoPE keys with outliers and an invertible
+    transform: no inf/NaN out of NaN, +-inf or +-1e30 in; NaN decodes as 0 would; an all-zero token decodes to 0
+    (the pre-RoPE grid is static, so only its NaN/inf rule applies)."""
+    for spec in _calibrated_specs():
+        codec = make_codec(spec, D, dtype)
+        for val in (float("nan"), INF, -INF, 1e30, -1e30):
+            x = _base(dtype, 4)
+            x[0, 0, 3, 5] = x[0, 0, 11, 30] = val
+            x[0, 0, 7] = 0.0
+            parts, y = _roundtrip(codec, x)
+            assert _finite_parts(parts) and torch.isfinite(y).all(), (type(codec).__name__, val)
+            if val != val:
+                assert torch.equal(y, _roundtrip(codec, torch.nan_to_num(x, nan=0.0))[1])
+            if spec.extras.__class__.__name__ != "PreRopeExtras":
+                assert (y[0, 0, 7] == 0).all()
+            record(KIND, "codec calibrated")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("pdtype", ["fp32", "fp16", "bf16"])
+def test_triton_packer_follows_the_rule(pdtype):
+    """The Triton quantize-and-pack (interpreted on CPU) gives the torch codecs' parts bit for bit on non-finite,
+    huge and zero-range input (it computes its group ranges separately, so it must follow the rule itself)."""
+    from kvsqueeze.cache.codecs import IntChannelCodec, IntTokenCodec
+    from kvsqueeze.kernels import triton_pack
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and the interpreter is off")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    for axis, bits, sym in (("token", 4, False), ("token", 3, True), ("channel", 2, False), ("channel", 8, True)):
+        spec = QuantSpec(fmt="int", bits=bits, axis=axis, group=8, symmetric=sym, param_dtype=pdtype)
+        codec = (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, 16)
+        x = torch.randn(1, 2, 16, 16, generator=torch.Generator().manual_seed(bits))
+        x[0, 0, 1, 2], x[0, 0, 4, 9], x[0, 1, 3, 3], x[0, 1, 9, 12] = INF, -INF, float("nan"), 1e30
+        x[0, 1, 0:8, 0] = INF  # a per-channel group with no finite value
+        x[0, 0, 12, 8:] = 1.5  # zero-range token group
+        x[0, 0, 8:, 5] = -2.25  # zero-range channel group
+        got, ref = triton_pack.encode(codec.fmt, x.to(dev)), codec.encode(x)
+        assert got is not None and set(got) == set(ref)
+        for name in ref:
+            assert torch.equal(got[name].cpu(), ref[name]), (axis, bits, sym, name)
+        record(KIND, "Triton packer")
+
+
 # ------------------------------------------------------------------------------------------------ attention
 def _kernels():
     out = {"reference": reference.attend}
@@ -252,3 +313,44 @@ def test_window_nonfinite_follows_torch(kernels, val):
         if not torch.equal(torch.isfinite(got), torch.isfinite(outs["reference"])):
             record(KIND, "attention window (cpu differs: known)")
             pytest.xfail("C++ kernel: non-finite full-precision window tokens give a different non-finite pattern")
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def test_bf16_model_with_nonfinite_cache_agrees_across_backends():
+    """A tiny bf16 Llama decoding over a QuantizedCache whose stored K/V hold inf, -inf, NaN and +-1e30 (crafted
+    and handed to ``update``, as a model whose projections overflow would): finite logits, equal in every backend."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvsqueeze.adapter import QuantizedCache, attention_paths, cache_kwargs
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    kv = []
+    for _ in range(cfg.num_hidden_layers):
+        k, v = torch.randn(1, 1, 64, 32, generator=g), torch.randn(1, 1, 64, 32, generator=g)
+        for t, val in ((5, INF), (9, -INF), (12, float("nan")), (20, 1e30), (27, -1e30)):
+            k[0, 0, t, t % 32] = val
+            v[0, 0, t, (t + 7) % 32] = val
+        kv.append((k.to(torch.bfloat16), v.to(torch.bfloat16)))
+    backends = ["torch"] + [b for b in ("cpu", "triton") if b in _kernels()]
+    logits = {}
+    for backend in backends:
+        cache = QuantizedCache(cfg, "k4c16-v4t16-w16-s2", backend=backend)
+        for lay, (k, v) in zip(cache.layers, kv):  # what each layer's update + attention would have stored
+            lay.kv.stage(k, v)
+            lay.kv.commit()
+            lay.is_initialized = True
+        out = []
+        with torch.no_grad():
+            for tok in (3, 17, 42):
+                out.append(model(torch.tensor([[tok]]), **cache_kwargs(model, cache)).logits.float())
+        assert cache.get_seq_length() == 67
+        logits[backend] = torch.cat(out)
+        assert torch.isfinite(logits[backend]).all(), backend
+        assert sum(attention_paths(cache).values()) > 0
+        record(KIND, f"bf16 model ({backend})")
+    for backend, got in logits.items():
+        torch.testing.assert_close(got, logits["torch"], atol=5e-2, rtol=5e-2, msg=lambda m, b=backend: f"{b}: {m}")
