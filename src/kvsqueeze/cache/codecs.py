@@ -23,6 +23,7 @@ from ..quant import (
     unpack_bits,
 )
 from ..quant.format import PartLayout, StorageFormat, storage_format
+from ..quant.nonfinite import nan_to_zero
 from ..spec import QuantSpec
 
 Shared = dict[str, torch.Tensor]
@@ -145,7 +146,8 @@ class Fp8Codec(Codec):
             dims = (-2, -1) if s.fp8_scale == "head" else (1, 2, 3)
             _, shared["scale"] = fp8_quantize(x.float(), s.fmt, dims, s.param_dtype)
         fixed = shared["scale"]
-        scaled = (x.float() / fixed.float()).clamp(-FP8_MAX[s.fmt], FP8_MAX[s.fmt])
+        # NaN stored as 0; +-inf and values beyond the fixed scale's reach saturate at +-fp8 max
+        scaled = (nan_to_zero(x) / fixed.float()).clamp(-FP8_MAX[s.fmt], FP8_MAX[s.fmt])
         return {"codes": scaled.to(FP8_DTYPES[s.fmt]).view(torch.uint8)}
 
     def decode(self, parts, start=0, shared=None):

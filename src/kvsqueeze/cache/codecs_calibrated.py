@@ -17,6 +17,7 @@ from ..quant import pack_bits, packed_nbytes, unpack_bits
 from ..quant.affine import affine_codes, minmax_params
 from ..quant.extras import GroupExtras, PreRopeExtras
 from ..quant.format import PartLayout, storage_format
+from ..quant.nonfinite import finite_vectors, nan_to_zero, saturate
 from ..quant.packing import pack_ternary, ternary_nbytes, unpack_ternary
 from ..rope import apply_rope, rope_cos_sin, undo_rope
 from ..spec import QuantSpec
@@ -31,7 +32,8 @@ def quantize_clipped(xg: torch.Tensor, levels: int, clip: torch.Tensor | float, 
     """Asymmetric min/max quantization of groups (last dim) to ``levels`` levels with a clip ratio that may
     differ per group (a tensor broadcasting to ``xg.shape[:-1] + (1,)``): the range is [clip*min, clip*max],
     as :func:`kvsqueeze.quant.quantize_groups` does for one scalar ratio.  Returns (codes, scale, zero)."""
-    scale, zero = minmax_params(xg.float(), levels, clip, param_dtype)
+    xg = nan_to_zero(xg)  # NaN quantized as 0; the range is over finite values, so +-inf take the end codes
+    scale, zero = minmax_params(xg, levels, clip, param_dtype)
     q = affine_codes(xg, scale, zero, 0, levels - 1, "float")
     return q.to(torch.uint8), scale, zero
 
@@ -128,7 +130,8 @@ class PreRopeKeyCodec(Codec):
 
     def encode(self, k, start=0, shared=None):
         cos, sin = self._rope(start, k.shape[2], k.device)
-        pre = undo_rope(k.float(), cos, sin, self.x.rope_scaling)
+        # before un-rotating, which would mix an inf with its pair's channel into NaN: see quant/nonfinite.py
+        pre = undo_rope(finite_vectors(k), cos, sin, self.x.rope_scaling)
         if self.x.bits is None:
             return {"x": pre}
         codes, recon = self.quantize_pre(pre)
@@ -152,7 +155,7 @@ def encode_outliers(x: torch.Tensor, recon: torch.Tensor, n: int) -> dict[str, t
     """The sparse side structure: per token and head, the ``n`` channels with the largest quantization error,
     as (uint8 channel index, fp16 value)."""
     idx = (x.float() - recon).abs().topk(n, dim=-1).indices
-    return {"oidx": idx.to(torch.uint8), "oval": x.gather(-1, idx).to(torch.float16)}
+    return {"oidx": idx.to(torch.uint8), "oval": saturate(x.gather(-1, idx), torch.float16)}
 
 
 def decode_outliers(dense: torch.Tensor, oidx: torch.Tensor, oval: torch.Tensor) -> torch.Tensor:

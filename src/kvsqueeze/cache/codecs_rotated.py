@@ -43,6 +43,7 @@ from ..quant.codebook import (
     unpack_split,
 )
 from ..quant.format import storage_format
+from ..quant.nonfinite import finite_vectors
 from ..quant.rotation import rotate, rotation_matrix, unrotate
 from ..spec import QuantSpec
 from .codecs import Codec, PartLayout
@@ -84,6 +85,8 @@ class RotatedCodec(Codec):
         return out
 
     def encode(self, x, start=0, shared=None):
+        # one scale per token vector: NaN -> 0, +-inf -> +- the vector's largest finite magnitude (nonfinite.py)
+        x = finite_vectors(x)
         if self.group:
             return self._encode_centred(x)
         codes, norm = rotated_quantize(x, self.split, self.rotation, self.density, self.pdtype)

@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from ..quant.extras import TransformExtras
+from ..quant.nonfinite import finite_vectors, saturate
 from ..spec import QuantSpec
 from .codecs import Codec, PartLayout
 
@@ -37,7 +38,8 @@ class TransformedCodec(Codec):
         return torch.matmul(x.float(), m.to(x.device)[None])  # [B,H,T,D] @ [1,H,D,D]
 
     def encode(self, x, start=0, shared=None):
-        return self.inner.encode(self._apply(x, self.matrix).to(x.dtype), start, shared)
+        # an inf would turn every channel it is mixed into NaN; the product saturates at the model dtype's range
+        return self.inner.encode(saturate(self._apply(finite_vectors(x), self.matrix), x.dtype), start, shared)
 
     def decode(self, parts, start=0, shared=None):
         return self._apply(self.inner.decode(parts, start, shared), self.inv)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..quant.format import StorageFormat
+from ..quant.nonfinite import LIMIT
 from ..quant.params import scale_floor
 from .triton_decode import HAS_TRITON, available
 
@@ -79,12 +80,27 @@ if HAS_TRITON:
         return f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
 
     @triton.jit
-    def _quantize(x, mn, mx, amax, clip, floor, BITS: tl.constexpr, SYM: tl.constexpr, PKIND: tl.constexpr,
+    def _finite(x, LIM: tl.constexpr):
+        """(x with NaN -> 0, x clamped to +-LIM where finite, +LIM where not (for a min), -LIM (for a max)),
+        as quant.nonfinite.finite_minmax computes them."""
+        x = tl.where(x != x, 0.0, x)
+        fin = tl.abs(x) <= 3.4028234663852886e38  # float32 max: False for +-inf
+        xc = tl.minimum(tl.maximum(x, -LIM), LIM)
+        return x, tl.where(fin, xc, LIM), tl.where(fin, xc, -LIM)
+
+    @triton.jit
+    def _quantize(x, mn, mx, clip, floor, BITS: tl.constexpr, SYM: tl.constexpr, PKIND: tl.constexpr,
                   PMAX: tl.constexpr):
-        """(int32 codes, scale, zero) for values x and their broadcastable group min / max / absmax."""
+        """(int32 codes, scale, zero) for values x and their broadcastable group min / max over finite values
+        ((0, 0) when none): the rules of quant.affine.minmax_params / absmax_scale."""
+        empty = mn > mx
+        mn = tl.where(empty, 0.0, mn)
+        mx = tl.where(empty, 0.0, mx)
         if SYM:
             QMAX: tl.constexpr = 2 ** (BITS - 1) - 1
-            s = _to_param(tl.maximum(tl.div_rn(amax * clip, QMAX * 1.0), floor), True, PKIND, PMAX)
+            a = tl.maximum(-mn, mx) * clip
+            raw = tl.where(mn == mx, a, tl.div_rn(a, QMAX * 1.0))  # zero range: the constant is code +-1
+            s = _to_param(tl.maximum(raw, floor), True, PKIND, PMAX)
             q = tl.minimum(tl.maximum(_rint(tl.div_rn(x, s)), -QMAX * 1.0), QMAX * 1.0) + 2 ** (BITS - 1)
             return q.to(tl.int32), s, s
         QMAX2: tl.constexpr = 2 ** BITS - 1
@@ -116,7 +132,7 @@ if HAS_TRITON:
     @triton.jit
     def _pack_token_kernel(x_ptr, c_ptr, s_ptr, z_ptr, n_rows, clip, floor,
                            D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
-                           SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr):
+                           SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr):
         """Per-token groups: x [n_rows, D] in groups of G channels -> codes, params [n_rows, D // G]."""
         NG: tl.constexpr = D // G
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -124,11 +140,10 @@ if HAS_TRITON:
         gi = tl.arange(0, NG)
         off = rows[:, None, None] * D + gi[None, :, None] * G + tl.arange(0, G)[None, None, :]
         x = tl.load(x_ptr + off, mask=r_ok[:, None, None], other=0.0).to(tl.float32)
-        mn = tl.min(x, axis=2)
-        mx = tl.max(x, axis=2)
-        amax = tl.max(tl.abs(x), axis=2)
-        q, s, z = _quantize(x, mn[:, :, None], mx[:, :, None], amax[:, :, None], clip, floor,
-                            BITS, SYM, PKIND, PMAX)
+        x, for_min, for_max = _finite(x, LIM)
+        mn = tl.min(for_min, axis=2)
+        mx = tl.max(for_max, axis=2)
+        q, s, z = _quantize(x, mn[:, :, None], mx[:, :, None], clip, floor, BITS, SYM, PKIND, PMAX)
         p_off = rows[:, None] * NG + gi[None, :]
         tl.store(s_ptr + p_off, tl.reshape(s, (BR, NG)), mask=r_ok[:, None])
         if not SYM:
@@ -138,16 +153,16 @@ if HAS_TRITON:
     @triton.jit
     def _pack_channel_kernel(x_ptr, c_ptr, s_ptr, z_ptr, clip, floor,
                              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                             SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr):
+                             SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr):
         """Per-channel groups: one program per group of G tokens; x [G, D] -> codes, params [D]."""
         grp = tl.program_id(0)
         rows = grp * G + tl.arange(0, G)
         ch = tl.arange(0, D)
         x = tl.load(x_ptr + rows[:, None] * D + ch[None, :]).to(tl.float32)
-        mn = tl.min(x, axis=0)
-        mx = tl.max(x, axis=0)
-        amax = tl.max(tl.abs(x), axis=0)
-        q, s, z = _quantize(x, mn[None, :], mx[None, :], amax[None, :], clip, floor, BITS, SYM, PKIND, PMAX)
+        x, for_min, for_max = _finite(x, LIM)
+        mn = tl.min(for_min, axis=0)
+        mx = tl.max(for_max, axis=0)
+        q, s, z = _quantize(x, mn[None, :], mx[None, :], clip, floor, BITS, SYM, PKIND, PMAX)
         tl.store(s_ptr + grp * D + ch[None, :], s)
         if not SYM:
             tl.store(z_ptr + grp * D + ch[None, :], z)
@@ -179,7 +194,7 @@ def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | Non
     scale = torch.empty(pshape, dtype=fmt.param_dtype, device=x.device)
     zero = None if fmt.symmetric else torch.empty_like(scale)
     pk = _PKIND[pname]
-    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk])
+    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk], LIM=LIMIT)
     z_arg = scale if zero is None else zero
     floor = scale_floor(pname)
     # no FMA contraction: every product is rounded as torch rounds it

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .nonfinite import finite_minmax
 from .params import scale_floor, to_param
 
 ZERO_DOMAINS = ("float", "code")
@@ -68,18 +69,25 @@ def affine_ste(x: Tensor, scale: Tensor, offset: Tensor | float, qmin: int, qmax
 def minmax_params(xf: Tensor, levels: int, clip: Tensor | float, param_dtype: str) -> tuple[Tensor, Tensor]:
     """The cache's asymmetric rule for groups on the last dim of ``xf``: range [clip*min, clip*max] (``clip`` a
     scalar or a tensor broadcasting to ``xf.shape[:-1] + (1,)``), offset rounded *down* and scale rounded *up* in
-    the parameter dtype, so in-range values are never clipped.  Returns (scale, offset) in ``param_dtype``."""
-    mn = xf.amin(-1, keepdim=True) * clip
-    mx = xf.amax(-1, keepdim=True) * clip
+    the parameter dtype, so in-range values are never clipped.  Returns (scale, offset) in ``param_dtype``.
+
+    The range is over the group's finite values, clamped to +-LIMIT (quant/nonfinite.py): infinities then take
+    the end codes and a huge finite value cannot overflow the scale."""
+    mn, mx = finite_minmax(xf)
+    mn, mx = mn * clip, mx * clip
     zero = to_param(mn, param_dtype, "down")
     scale = to_param(((mx - zero.float()) / (levels - 1)).clamp_min(scale_floor(param_dtype)), param_dtype, "up")
     return scale, zero
 
 
 def absmax_scale(xf: Tensor, qmax: int, clip: float, param_dtype: str) -> Tensor:
-    """The symmetric rule: ``clip * absmax / qmax`` rounded up in the parameter dtype (never zero)."""
-    amax = xf.abs().amax(-1, keepdim=True) * clip
-    return to_param((amax / qmax).clamp_min(scale_floor(param_dtype)), param_dtype, "up")
+    """The symmetric rule: ``clip * absmax / qmax`` rounded up in the parameter dtype (never zero), absmax over the
+    finite values.  A zero-range group (all values equal to c) takes ``clip * |c|``: c is then code +-1 and decodes
+    to exactly c when c is representable in the parameter dtype."""
+    mn, mx = finite_minmax(xf)
+    amax = torch.maximum(-mn, mx) * clip
+    raw = torch.where(mn == mx, amax, amax / qmax)
+    return to_param(raw.clamp_min(scale_floor(param_dtype)), param_dtype, "up")
 
 
 __all__ = ["ZERO_DOMAINS", "affine_codes", "affine_values", "affine_ste", "minmax_params", "absmax_scale"]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .nonfinite import saturate
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .rotation import rotate, rotation_matrix, unrotate
 
@@ -224,7 +225,8 @@ def codebook_fit(y: Tensor, split: BitSplit, density: str = "sphere", scale_dtyp
     norm = y.norm(dim=-1, keepdim=True)
     codes = codebook_quantize(y / torch.where(norm > 0, norm, torch.ones_like(norm)), split, density)
     c = codebook_values(codes, split, density)
-    return codes, ((y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True)).to(scale_dtype)
+    # saturating: a huge vector's scale would overflow an fp16 store to inf (and decode to inf * 0 = NaN)
+    return codes, saturate((y * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True), scale_dtype)
 
 
 def rotated_quantize(x: Tensor, split: BitSplit, rotation: Tensor, density: str = "sphere",
@@ -246,7 +248,7 @@ def group_means(y: Tensor, group: int, dtype: torch.dtype = torch.float16) -> Te
     *lead, t, d = y.shape
     if t % group:
         raise ValueError(f"centred rotated codes need whole groups of {group} tokens, got {t}")
-    return y.reshape(*lead, t // group, group, d).mean(-2).to(dtype)
+    return saturate(y.reshape(*lead, t // group, group, d).mean(-2), dtype)
 
 
 def expand_groups(m: Tensor, group: int) -> Tensor:
@@ -270,7 +272,7 @@ def sketch_matrix(d: int, m: int | None = None, seed: int = 1) -> Tensor:
 def sign_sketch(r: Tensor, proj: Tensor, norm_dtype: torch.dtype = torch.float16) -> tuple[Tensor, Tensor]:
     """(bits uint8 in {0, 1} [..., m] = sign(r @ S) >= 0, |r| [..., 1] in ``norm_dtype``) of residuals ``r``."""
     z = torch.matmul(r.float(), proj.to(r.device))
-    return (z >= 0).to(torch.uint8), r.float().norm(dim=-1, keepdim=True).to(norm_dtype)
+    return (z >= 0).to(torch.uint8), saturate(r.float().norm(dim=-1, keepdim=True), norm_dtype)
 
 
 def sketch_estimate(bits: Tensor, rnorm: Tensor, proj: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .nonfinite import LIMIT, finite_minmax, nan_to_zero
 from .params import scale_floor, to_param
 
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
@@ -44,12 +45,21 @@ def fp8_quantize(
     the param dtype, so ``|x / scale| <= fp8_max`` and nothing saturates; it is floored above 0 so all-zero
     slices give zero codes, not NaN.  For [B, H, T, D]: per-token = (-1,), per-head = (-2, -1) over the given
     tokens, per-tensor = (1, 2, 3) (see :func:`fp8_reduce_dims`).
+
+    Non-finite input (quant/nonfinite.py): the absmax is over finite values (clamped to +-2**50), NaN is stored
+    as 0 and +-inf saturate to +-fp8 max.  A zero-range slice (all values equal to c) takes the scale ``|c|``, so
+    c is code +-1 and decodes to exactly c when the param dtype represents it.
     """
     dt = _fp8_dtype(fmt)
     fmax = FP8_MAX[fmt]
-    xf = x.float()
-    amax = xf.abs().amax(dim=reduce_dims, keepdim=True) if reduce_dims else xf.abs()
-    scale = to_param((amax / fmax).clamp_min(scale_floor(param_dtype)), param_dtype, "up")
+    xf = nan_to_zero(x)
+    if reduce_dims:
+        mn, mx = finite_minmax(xf, reduce_dims)
+    else:  # one scale per element: each is its own zero-range slice
+        mn = mx = torch.where(torch.isfinite(xf), xf.clamp(-LIMIT, LIMIT), torch.zeros_like(xf))
+    amax = torch.maximum(-mn, mx)
+    raw = torch.where(mn == mx, amax, amax / fmax)
+    scale = to_param(raw.clamp_min(scale_floor(param_dtype)), param_dtype, "up")
     # the clamp is a guard against float32 rounding in the division: e5m2 overflows to inf, not to its max
     q = (xf / scale.float()).clamp_(-fmax, fmax).to(dt)
     return q.view(torch.uint8), scale

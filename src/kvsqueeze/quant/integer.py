@@ -12,6 +12,7 @@ from torch import Tensor
 from ..spec import AXES, QuantSpec
 from .affine import absmax_scale, affine_codes, affine_values, minmax_params
 from .fp8 import fp8_dequantize, fp8_quantize, fp8_reduce_dims
+from .nonfinite import LIMIT, nan_to_zero
 from .params import scale_floor, to_param
 
 
@@ -41,14 +42,21 @@ def quantize_groups(
     maps to +s).
 
     The scale is never 0 (floored at :func:`~kvsqueeze.quant.params.scale_floor`), so zero or constant groups
-    give no NaN/inf; an asymmetric constant group round-trips to within the param dtype's rounding of its value.
+    give no NaN/inf; a constant group (clip 1) decodes to exactly its value when the param dtype represents it.
+
+    Non-finite input (quant/nonfinite.py): NaN is quantized as 0, +-inf take the group's end codes (the range is
+    over the finite values), finite values beyond +-2**50 saturate; parameters and decoded values stay finite.
     """
     _check_bits(bits)
     if not 0.0 < clip <= 1.0:
         raise ValueError(f"clip ratio must be in (0, 1], got {clip!r}")
-    xf = x.float()
+    xf = nan_to_zero(x)
     if symmetric and bits == 1:
-        scale = to_param((xf.abs().mean(-1, keepdim=True) * clip).clamp_min(scale_floor(param_dtype)), param_dtype)
+        fin = torch.isfinite(xf)
+        total = torch.where(fin, xf.abs().clamp_max(LIMIT), torch.zeros_like(xf)).sum(-1, keepdim=True)
+        m = clip * (total / fin.sum(-1, keepdim=True).clamp_min(1))
+        # an all-zero group keeps scale 0 (so it decodes to exactly 0); codes are signs, nothing divides by it
+        scale = to_param(torch.where(m > 0, m.clamp_min(scale_floor(param_dtype)), m), param_dtype)
         return (xf >= 0).to(torch.uint8), scale, None
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
