@@ -6,6 +6,8 @@
 * Routing leaves nothing behind.  A forward step that uses a :class:`QuantizedCache` switches the model's attention
   implementation to ``"kvsqueeze"`` when its first layer stages K/V (transformers looks the attention function up
   after ``cache.update``) and restores the previous one when the step's last layer is done or the step fails.
+  Steps of several caches in flight on one model at once (threads) share the switch: the first switches, the last
+  to end restores (meanwhile other caches' steps on that model also run through ``"kvsqueeze"``, i.e. SDPA).
   ``with kvsqueeze.patch(model):`` routes a model for a whole block instead (needed for models whose attention
   implementation builds masks kvsqueeze cannot read, e.g. flash attention), undone on exit.
 * Attention and mask functions are registered together: the mask side is transformers' SDPA mask (boolean,
@@ -30,6 +32,7 @@ import importlib
 import inspect
 import os
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -401,6 +404,13 @@ class KVBytes(ByteTotals):
                 f"{self.bits_per_element:.3f} bits/element overall{qtxt}")
 
 
+# Routing shared by the caches of one model, so that threads stepping their own caches on one model concurrently
+# neither undo each other's routing nor leave it behind: configs' ids -> [steps in flight, implementations to
+# restore when the last of them ends].
+_ROUTES: dict[tuple[int, ...], list] = {}
+_ROUTE_LOCK = threading.Lock()
+
+
 class QuantizedCache(Cache):
     """A quantized KV cache for transformers models.
 
@@ -447,7 +457,7 @@ class QuantizedCache(Cache):
         super().__init__(layers=layers)
         register()
         self._route_configs = _configs(config)
-        self._routed_from: list[str] | None = None  # impls to restore when the step in flight ends
+        self._routing = False  # this cache's step in flight holds a share of the model's routing (_ROUTES)
         if self.layers:
             self.layers[-1].end_of_step = self.layers[-1].kv.end_of_step = self._unroute
 
@@ -465,21 +475,36 @@ class QuantizedCache(Cache):
 
     def _route(self) -> None:
         """Send this step's attention to kvsqueeze; the previous implementation comes back when the step ends."""
-        impls = [c._attn_implementation for c in self._route_configs]
-        if all(i == ATTN_NAME for i in impls):
+        if self._routing:
             return
-        bad = [i for i in impls if i not in ROUTABLE]
-        if bad:
-            raise RuntimeError(f"kvsqueeze's cache reads the masks of {', '.join(ROUTABLE[:2])} attention; this model "
-                               f"uses {bad[0]!r}: load it with attn_implementation='sdpa' or wrap the call in "
-                               "`with kvsqueeze.patch(model):`")
-        self._routed_from = impls
-        _set_impl(self._route_configs, [ATTN_NAME] * len(impls))
+        key = tuple(id(c) for c in self._route_configs)
+        with _ROUTE_LOCK:
+            entry = _ROUTES.get(key)
+            if entry is None:
+                impls = [c._attn_implementation for c in self._route_configs]
+                if all(i == ATTN_NAME for i in impls):
+                    return  # routed for good by kvsqueeze.patch(model)
+                bad = [i for i in impls if i not in ROUTABLE]
+                if bad:
+                    raise RuntimeError(f"kvsqueeze's cache reads the masks of {', '.join(ROUTABLE[:2])} attention; "
+                                       f"this model uses {bad[0]!r}: load it with attn_implementation='sdpa' or wrap "
+                                       "the call in `with kvsqueeze.patch(model):`")
+                entry = _ROUTES[key] = [0, impls]
+                _set_impl(self._route_configs, [ATTN_NAME] * len(impls))
+            entry[0] += 1
+            self._routing = True
 
     def _unroute(self) -> None:
-        if self._routed_from is not None:
-            _set_impl(self._route_configs, self._routed_from)
-            self._routed_from = None
+        if not self._routing:
+            return
+        key = tuple(id(c) for c in self._route_configs)
+        with _ROUTE_LOCK:
+            self._routing = False
+            entry = _ROUTES[key]
+            entry[0] -= 1
+            if entry[0] == 0:  # the last step in flight on this model: its own implementation comes back
+                del _ROUTES[key]
+                _set_impl(self._route_configs, entry[1])
 
     # everything that reads or edits the cache first discards a step that failed part-way
     def _settled(self):
