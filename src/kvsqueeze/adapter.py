@@ -46,6 +46,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
+from .errors import CacheEditError
 from .heap import release_freed_memory
 from .kernels import reference
 from .layout import kv_layout
@@ -361,8 +362,6 @@ class _HFLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove (as transformers' DynamicLayer)")
         if tokens_to_remove:
             self.kv.crop(max(0, self.kv.seq_length() + tokens_to_remove))
 
@@ -372,11 +371,8 @@ class _HFLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.kv.shape is None:
             return
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
-            idx = idx.nonzero().flatten()
-        dev = self.kv.store.device
-        self.kv.map_batch(lambda t: t.index_select(0, idx.to(dev)))
+        idx = indices.to(self.kv.store.device)  # checked and made non-negative by QuantizedCache
+        self.kv.map_batch(lambda t: t.index_select(0, idx))
 
     def offload(self):  # storage lives where the model runs; offloading is not implemented for packed blocks
         pass
@@ -519,17 +515,49 @@ class QuantizedCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return Cache.get_mask_sizes(self._settled(), query_length, layer_idx)
 
+    # edits are checked before any layer changes: a refused one leaves the cache as it was
     def crop(self, tokens_to_remove: int) -> None:
-        Cache.crop(self._settled(), tokens_to_remove)
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise CacheEditError(f"crop takes the number of tokens to remove as a negative int (as transformers' "
+                                 f"DynamicCache); got {tokens_to_remove!r}")
+        self._settled()
+        if tokens_to_remove and any(layer.kv.sliding_window is not None and layer.kv.first_visible > 0
+                                    for layer in self.layers):
+            raise CacheEditError("cannot crop a cache whose sliding-window layers already evicted tokens; allowed: "
+                                 "crops before a sliding layer's window is full")
+        Cache.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx) -> None:
-        Cache.reorder_cache(self._settled(), beam_idx)
+        Cache.reorder_cache(self._settled(), self._batch_index(beam_idx, "reorder_cache"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise CacheEditError(f"batch_repeat_interleave takes a positive int; got {repeats!r}")
         Cache.batch_repeat_interleave(self._settled(), repeats)
 
     def batch_select_indices(self, indices) -> None:
-        Cache.batch_select_indices(self._settled(), indices)
+        Cache.batch_select_indices(self._settled(), self._batch_index(indices, "batch_select_indices"))
+
+    def _batch_index(self, indices, what: str) -> torch.Tensor:
+        """Row indices as a non-negative int64 tensor (a boolean mask gives its True rows; negative indices count from
+        the end, as in transformers' own caches); anything else is one CacheEditError line."""
+        batch = next((layer.kv.shape[0] for layer in self.layers if layer.kv.shape is not None), None)
+        try:
+            idx = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError):
+            idx = None
+        if idx is None or idx.dim() != 1 or not (idx.dtype == torch.bool or not idx.is_floating_point()
+                                                 and not idx.is_complex()):
+            raise CacheEditError(f"{what} takes a 1-D tensor of row indices or a boolean row mask; got {indices!r}")
+        if idx.dtype == torch.bool:
+            if batch is not None and idx.numel() != batch:
+                raise CacheEditError(f"{what}: a boolean mask of {idx.numel()} rows for a batch of {batch}")
+            return idx.nonzero().flatten()
+        idx = idx.long()
+        if batch is not None and idx.numel() and (idx.min() < -batch or idx.max() >= batch):
+            raise CacheEditError(f"{what}: row indices must lie in [-{batch}, {batch - 1}] for a batch of {batch}; "
+                                 f"got {idx.tolist()}")
+        return idx % batch if batch else idx
 
     def nbytes(self) -> KVBytes:
         self._settled()

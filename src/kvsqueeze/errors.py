@@ -33,3 +33,7 @@ class MissingDependencyError(KvsqueezeError):
 
 class UnsupportedCacheError(KvsqueezeError):
     """A valid cache used where it cannot work (a peer where only kvsqueeze's own caches can be built)."""
+
+
+class CacheEditError(KvsqueezeError):
+    """A cache edit (crop, batch reorder / select / repeat) asked with arguments the cache cannot apply."""

@@ -12,8 +12,9 @@ After every operation the sequence lengths agree, and after every forward step:
   batch had always been those rows.  Crops are replayed rather than removed because a crop by design is not a
   rebuild: token groups already quantized stay quantized, and a partial group's decoded tokens go back to the
   window (LayerKV.crop), so a cache cropped to L tokens holds more quantized tokens than one fed L tokens;
-* the int8 preset (lossless enough) also stays within int8 noise of DynamicCache, which checks that crop keeps the
-  right tokens in the right places through the quantized path.
+* the int8 preset (lossless enough; keys per channel in groups of 8 tokens, so crops cut quantized groups) also
+  stays within int8 noise of DynamicCache, which checks that a crop keeps the right tokens in the right places
+  through the quantized path, the decoded partial group included.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from kvsqueeze import QuantizedCache
 from kvsqueeze.adapter import cache_kwargs
+from kvsqueeze.errors import KvsqueezeError
 from kvsqueeze.spec import FULL, CacheSpec, QuantSpec
 
 from ._counts import record
 
-SEQUENCES = 14  # per preset
+SEQUENCES = 12  # per preset
 MAX_TOKENS = 56  # enough for the small windows below to quantize several groups
 VOCAB = 128
 
 PRESETS = {
     "full": CacheSpec(name="full", block_tokens=8),
     "full window+sinks": CacheSpec(key=FULL, value=FULL, window=4, sinks=3, block_tokens=4, name="full-w4-s3"),
-    "int8": CacheSpec(key=QuantSpec(bits=8, axis="token", group=32), value=QuantSpec(bits=8, axis="token", group=32),
-                      window=0, block_tokens=8, name="int8-w0"),
+    # per-channel keys: tokens are quantized 8 at a time, so crops fall inside token groups (decoded back to the window)
+    "int8": CacheSpec(key=QuantSpec(bits=8, axis="channel", group=8), value=QuantSpec(bits=8, axis="token", group=32),
+                      window=0, block_tokens=8, name="k8c8-v8t32-w0"),
     "kivi-4": CacheSpec(key=QuantSpec(bits=4, axis="channel", group=8), value=QuantSpec(bits=4, axis="token", group=32),
                         window=8, block_tokens=16, name="kivi-4-w8"),
     "kivi-2 sinks": CacheSpec(key=QuantSpec(bits=2, axis="channel", group=8),
@@ -70,7 +73,7 @@ _op = st.one_of(
     st.tuples(st.just("select"), _rows),
     st.tuples(st.just("repeat"), st.integers(1, 2)),
 )
-_case = st.tuples(st.integers(2, 4), st.integers(1, 12), st.lists(_op, min_size=3, max_size=14),
+_case = st.tuples(st.integers(2, 4), st.integers(1, 32), st.lists(_op, min_size=3, max_size=14),
                   st.integers(0, 2**16))
 
 
@@ -180,3 +183,55 @@ def _run(model, name, batch, first, ops, seed) -> None:
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_random_operation_sequences_match_dynamic_cache_and_replay(model, name, case):
     _run(model, name, *case)
+
+
+_BAD_EDITS = [
+    ("crop", 3), ("crop", 1.5), ("crop", True), ("reorder_cache", [0, 5]), ("reorder_cache", [-4]),
+    ("reorder_cache", [[0, 1]]), ("batch_select_indices", [2.0]), ("batch_select_indices", "0"),
+    ("batch_select_indices", [True]), ("batch_select_indices", [7]), ("batch_repeat_interleave", 0),
+    ("batch_repeat_interleave", -1), ("batch_repeat_interleave", 2.0),
+]
+
+
+@pytest.mark.parametrize("method, arg", _BAD_EDITS)
+def test_bad_edits_are_one_line_refusals_that_change_nothing(model, method, arg):
+    """Out-of-range rows, wrong types, a positive crop: one KvsqueezeError line (out-of-range rows were torch's
+    IndexError from inside a layer), and the cache runs on exactly as if the edit had not been asked."""
+    spec = PRESETS["kivi-2 sinks"]
+    ids = torch.randint(2, VOCAB, (3, 30), generator=torch.Generator().manual_seed(1))
+    cache, ref = QuantizedCache(model.config, spec), QuantizedCache(model.config, spec)
+    for c in (cache, ref):
+        _forward(model, c, ids[:, :29])
+    x = torch.tensor(arg) if isinstance(arg, list) and method != "batch_select_indices" else arg
+    with pytest.raises(KvsqueezeError) as err:
+        getattr(cache, method)(x)
+    assert str(err.value) and "\n" not in str(err.value)
+    torch.testing.assert_close(_forward(model, cache, ids[:, 29:]), _forward(model, ref, ids[:, 29:]), **TIGHT)
+    record("cache operation sequences", "bad edit refused")
+
+
+def test_negative_rows_and_masks_select_as_in_dynamic_cache(model):
+    ids = torch.randint(2, VOCAB, (3, 12), generator=torch.Generator().manual_seed(2))
+    for sel in (torch.tensor([-1, 0]), torch.tensor([True, False, True])):
+        cache, dyn = QuantizedCache(model.config, PRESETS["full"]), DynamicCache(config=model.config)
+        for c in (cache, dyn):
+            _forward(model, c, ids[:, :11])
+            c.batch_select_indices(sel)
+        rows = ids[sel]
+        torch.testing.assert_close(_forward(model, cache, rows[:, 11:]), _forward(model, dyn, rows[:, 11:]), **TIGHT)
+        record("cache operation sequences", "select with negative rows / mask")
+
+
+def test_crop_after_a_sliding_layer_evicted_is_refused_before_any_layer_changes(tiny_mixed_sliding):
+    """One KvsqueezeError line (it was a bare ValueError from the first sliding layer), checked before any layer is
+    cropped (a full-attention layer before a sliding one would have been cropped already)."""
+    model = tiny_mixed_sliding
+    ids = torch.randint(2, 256, (1, 80), generator=torch.Generator().manual_seed(3))
+    cache = QuantizedCache(model.config, CacheSpec(block_tokens=8, name="full8"))
+    _forward(model, cache, ids[:, :79])
+    with pytest.raises(KvsqueezeError, match="sliding-window layers already evicted"):
+        cache.crop(-5)
+    assert [layer.kv.n_total for layer in cache.layers] == [79] * 4
+    ref = DynamicCache(config=model.config)
+    _forward(model, ref, ids[:, :79])
+    torch.testing.assert_close(_forward(model, cache, ids[:, 79:]), _forward(model, ref, ids[:, 79:]), **TIGHT)
