@@ -6,6 +6,8 @@
 * Routing leaves nothing behind.  A forward step that uses a :class:`QuantizedCache` switches the model's attention
   implementation to ``"kvsqueeze"`` when its first layer stages K/V (transformers looks the attention function up
   after ``cache.update``) and restores the previous one when the step's last layer is done or the step fails.
+  Steps of several caches in flight on one model at once (threads) share the switch: the first switches, the last
+  to end restores (meanwhile other caches' steps on that model also run through ``"kvsqueeze"``, i.e. SDPA).
   ``with kvsqueeze.patch(model):`` routes a model for a whole block instead (needed for models whose attention
   implementation builds masks kvsqueeze cannot read, e.g. flash attention), undone on exit.
 * Attention and mask functions are registered together: the mask side is transformers' SDPA mask (boolean,
@@ -30,6 +32,7 @@ import importlib
 import inspect
 import os
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,6 +46,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from .cache.accounting import ByteTotals
 from .cache.layer import LayerKV, StepTracker
+from .errors import CacheEditError
 from .heap import release_freed_memory
 from .kernels import reference
 from .layout import kv_layout
@@ -358,8 +362,6 @@ class _HFLayer(CacheLayerMixin):
         self.batch_select_indices(beam_idx)
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove (as transformers' DynamicLayer)")
         if tokens_to_remove:
             self.kv.crop(max(0, self.kv.seq_length() + tokens_to_remove))
 
@@ -369,11 +371,8 @@ class _HFLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.kv.shape is None:
             return
-        idx = torch.as_tensor(indices)
-        if idx.dtype == torch.bool:
-            idx = idx.nonzero().flatten()
-        dev = self.kv.store.device
-        self.kv.map_batch(lambda t: t.index_select(0, idx.to(dev)))
+        idx = indices.to(self.kv.store.device)  # checked and made non-negative by QuantizedCache
+        self.kv.map_batch(lambda t: t.index_select(0, idx))
 
     def offload(self):  # storage lives where the model runs; offloading is not implemented for packed blocks
         pass
@@ -399,6 +398,13 @@ class KVBytes(ByteTotals):
         return (f"KV cache {self.total / 2**20:.2f} MiB (codes {self.codes / 2**20:.2f}, scales/zeros "
                 f"{self.params / 2**20:.2f}, full precision {self.full_precision / 2**20:.2f}) = "
                 f"{self.bits_per_element:.3f} bits/element overall{qtxt}")
+
+
+# Routing shared by the caches of one model, so that threads stepping their own caches on one model concurrently
+# neither undo each other's routing nor leave it behind: configs' ids -> [steps in flight, implementations to
+# restore when the last of them ends].
+_ROUTES: dict[tuple[int, ...], list] = {}
+_ROUTE_LOCK = threading.Lock()
 
 
 class QuantizedCache(Cache):
@@ -447,7 +453,7 @@ class QuantizedCache(Cache):
         super().__init__(layers=layers)
         register()
         self._route_configs = _configs(config)
-        self._routed_from: list[str] | None = None  # impls to restore when the step in flight ends
+        self._routing = False  # this cache's step in flight holds a share of the model's routing (_ROUTES)
         if self.layers:
             self.layers[-1].end_of_step = self.layers[-1].kv.end_of_step = self._unroute
 
@@ -465,21 +471,36 @@ class QuantizedCache(Cache):
 
     def _route(self) -> None:
         """Send this step's attention to kvsqueeze; the previous implementation comes back when the step ends."""
-        impls = [c._attn_implementation for c in self._route_configs]
-        if all(i == ATTN_NAME for i in impls):
+        if self._routing:
             return
-        bad = [i for i in impls if i not in ROUTABLE]
-        if bad:
-            raise RuntimeError(f"kvsqueeze's cache reads the masks of {', '.join(ROUTABLE[:2])} attention; this model "
-                               f"uses {bad[0]!r}: load it with attn_implementation='sdpa' or wrap the call in "
-                               "`with kvsqueeze.patch(model):`")
-        self._routed_from = impls
-        _set_impl(self._route_configs, [ATTN_NAME] * len(impls))
+        key = tuple(id(c) for c in self._route_configs)
+        with _ROUTE_LOCK:
+            entry = _ROUTES.get(key)
+            if entry is None:
+                impls = [c._attn_implementation for c in self._route_configs]
+                if all(i == ATTN_NAME for i in impls):
+                    return  # routed for good by kvsqueeze.patch(model)
+                bad = [i for i in impls if i not in ROUTABLE]
+                if bad:
+                    raise RuntimeError(f"kvsqueeze's cache reads the masks of {', '.join(ROUTABLE[:2])} attention; "
+                                       f"this model uses {bad[0]!r}: load it with attn_implementation='sdpa' or wrap "
+                                       "the call in `with kvsqueeze.patch(model):`")
+                entry = _ROUTES[key] = [0, impls]
+                _set_impl(self._route_configs, [ATTN_NAME] * len(impls))
+            entry[0] += 1
+            self._routing = True
 
     def _unroute(self) -> None:
-        if self._routed_from is not None:
-            _set_impl(self._route_configs, self._routed_from)
-            self._routed_from = None
+        if not self._routing:
+            return
+        key = tuple(id(c) for c in self._route_configs)
+        with _ROUTE_LOCK:
+            self._routing = False
+            entry = _ROUTES[key]
+            entry[0] -= 1
+            if entry[0] == 0:  # the last step in flight on this model: its own implementation comes back
+                del _ROUTES[key]
+                _set_impl(self._route_configs, entry[1])
 
     # everything that reads or edits the cache first discards a step that failed part-way
     def _settled(self):
@@ -494,17 +515,49 @@ class QuantizedCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return Cache.get_mask_sizes(self._settled(), query_length, layer_idx)
 
+    # edits are checked before any layer changes: a refused one leaves the cache as it was
     def crop(self, tokens_to_remove: int) -> None:
-        Cache.crop(self._settled(), tokens_to_remove)
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise CacheEditError(f"crop takes the number of tokens to remove as a negative int (as transformers' "
+                                 f"DynamicCache); got {tokens_to_remove!r}")
+        self._settled()
+        if tokens_to_remove and any(layer.kv.sliding_window is not None and layer.kv.first_visible > 0
+                                    for layer in self.layers):
+            raise CacheEditError("cannot crop a cache whose sliding-window layers already evicted tokens; allowed: "
+                                 "crops before a sliding layer's window is full")
+        Cache.crop(self, tokens_to_remove)
 
     def reorder_cache(self, beam_idx) -> None:
-        Cache.reorder_cache(self._settled(), beam_idx)
+        Cache.reorder_cache(self._settled(), self._batch_index(beam_idx, "reorder_cache"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise CacheEditError(f"batch_repeat_interleave takes a positive int; got {repeats!r}")
         Cache.batch_repeat_interleave(self._settled(), repeats)
 
     def batch_select_indices(self, indices) -> None:
-        Cache.batch_select_indices(self._settled(), indices)
+        Cache.batch_select_indices(self._settled(), self._batch_index(indices, "batch_select_indices"))
+
+    def _batch_index(self, indices, what: str) -> torch.Tensor:
+        """Row indices as a non-negative int64 tensor (a boolean mask gives its True rows; negative indices count from
+        the end, as in transformers' own caches); anything else is one CacheEditError line."""
+        batch = next((layer.kv.shape[0] for layer in self.layers if layer.kv.shape is not None), None)
+        try:
+            idx = torch.as_tensor(indices)
+        except (TypeError, ValueError, RuntimeError):
+            idx = None
+        if idx is None or idx.dim() != 1 or not (idx.dtype == torch.bool or not idx.is_floating_point()
+                                                 and not idx.is_complex()):
+            raise CacheEditError(f"{what} takes a 1-D tensor of row indices or a boolean row mask; got {indices!r}")
+        if idx.dtype == torch.bool:
+            if batch is not None and idx.numel() != batch:
+                raise CacheEditError(f"{what}: a boolean mask of {idx.numel()} rows for a batch of {batch}")
+            return idx.nonzero().flatten()
+        idx = idx.long()
+        if batch is not None and idx.numel() and (idx.min() < -batch or idx.max() >= batch):
+            raise CacheEditError(f"{what}: row indices must lie in [-{batch}, {batch - 1}] for a batch of {batch}; "
+                                 f"got {idx.tolist()}")
+        return idx % batch if batch else idx
 
     def nbytes(self) -> KVBytes:
         self._settled()

@@ -38,3 +38,7 @@ class UnsupportedCacheError(KvsqueezeError):
 class DiskWriteError(KvsqueezeError):
     """An output could not be written: the disk (or a quota, or the file-size limit) is full, or the target is
     read-only.  Nothing partial is left behind and what was there before is unchanged."""
+
+
+class CacheEditError(KvsqueezeError):
+    """A cache edit (crop, batch reorder / select / repeat) asked with arguments the cache cannot apply."""

@@ -306,7 +306,8 @@ class LayerKV:
             raise ValueError("cannot crop a sliding-window layer after it evicted tokens")
         s, hist = self.n_sinks, self.n_history
         if new_length <= s:
-            self.sink_k, self.sink_v = self.sink_k[:, :, :new_length], self.sink_v[:, :, :new_length]
+            if self.sink_k is not None:  # a spec without sinks has none (a crop to 0)
+                self.sink_k, self.sink_v = self.sink_k[:, :, :new_length], self.sink_v[:, :, :new_length]
             self.store.truncate(0)
             self.window.truncate(0)
         elif new_length <= s + hist:
