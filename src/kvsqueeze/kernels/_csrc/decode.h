@@ -116,12 +116,13 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
       for (int t = 0; t < n; ++t)
         if (sg.pos + it.t0 + t > qpos) sr[t] = NEG_INF;
     }
+    const bool bad = poisons_softmax(sr, n);  // the merge turns max +inf with sum NaN into a NaN row
     const float m = max8(sr, n);
     const float safe = std::isinf(m) && m < 0 ? 0.f : m;
-    const float l = exp_sum8(sr, n, safe);
+    const float l = exp_sum8(sr, n, safe);  // (overwrites the scores with their exponentials)
     float* pr = pw + r * W;
-    pr[0] = m;
-    pr[1] = l;
+    pr[0] = bad ? -NEG_INF : m;
+    pr[1] = bad ? std::numeric_limits<float>::quiet_NaN() : l;
     std::fill(pr + 2, pr + W, 0.f);
   }
   // weighted values

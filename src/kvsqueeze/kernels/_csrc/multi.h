@@ -169,6 +169,7 @@ void run_tile(const MultiCtx& cx, int64_t w, MultiScratch& sc) {
       if (st == MIXED) apply_tile_mask(cx, b, q0, nq, sg, t0, nt, sc.s.data());
       for (int64_t r = 0; r < R; ++r) {  // online softmax: rescale what the row holds when its max grows
         float* sr = sc.s.data() + r * KT;
+        const bool bad = poisons_softmax(sr, nt);  // before exp_sum8 overwrites the scores
         const float mx = std::max(sc.m[r], max8(sr, nt));
         const float safe = std::isinf(mx) && mx < 0 ? 0.f : mx;
         const float sum = exp_sum8(sr, nt, safe);
@@ -185,6 +186,7 @@ void run_tile(const MultiCtx& cx, int64_t w, MultiScratch& sc) {
           sc.m[r] = mx;
         }
         sc.l[r] += sum;
+        if (bad) sc.l[r] = std::numeric_limits<float>::quiet_NaN();  // a NaN row, as in the reference
       }
       const float* vp = decode_rows<DT>(sg.v, b, h, t0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
       A.addmm_(Sv, mat(const_cast<float*>(vp), nt, D, vs));

@@ -88,6 +88,14 @@ inline float max_of(const float* x, int n) {
   return p[0];
 }
 
+// Whether a row of scores holds a NaN or +inf: the reference (and torch's softmax) then gives a NaN row, which the
+// clamped exponentials below would otherwise hide (docs/robustness.md, "Overflow").
+inline bool poisons_softmax(const float* x, int n) {
+  int bad = 0;
+  for (int i = 0; i < n; ++i) bad |= (x[i] != x[i]) | (x[i] == -NEG_INF);
+  return bad != 0;
+}
+
 // exp_sum and max_of with AVX2 intrinsics (same formula and error bound): the plain loops compiled to scalar code
 
 }  // namespace
