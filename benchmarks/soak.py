@@ -46,6 +46,25 @@ def rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def heap_in_use() -> int | None:
+    """Bytes the C allocator has handed out and not had back (glibc's ``mallinfo2``; None elsewhere): RSS growth
+    beyond this is memory freed but kept by the allocator, not memory something still holds."""
+    try:
+        import ctypes
+
+        class _Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in
+                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                         "keepcost")]
+
+        fn = ctypes.CDLL(None).mallinfo2
+        fn.restype = _Info
+        info = fn()
+        return info.uordblks + info.hblkhd
+    except (OSError, AttributeError):
+        return None
+
+
 def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:
     """One forward over ``ids`` [1, n] with the cache; the logits of the last position."""
     from kvsqueeze import cache_kwargs
@@ -80,7 +99,7 @@ def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) 
     t0 = time.perf_counter()
     logits = prefill(model, cache, prompt, args.chunk, log, preset)
     prefill_s = time.perf_counter() - t0
-    after_prompt = {"rss": rss(), "cache": cache.nbytes().total}
+    after_prompt = {"rss": rss(), "heap_in_use": heap_in_use(), "cache": cache.nbytes().total}
     log(f"{preset}: prompt of {n_prompt} tokens in {prefill_s:.1f} s; RSS {after_prompt['rss'] / 2**20:.1f} MiB, "
         f"cache {after_prompt['cache'] / 2**20:.2f} MiB")
     generated: list[int] = []
@@ -95,7 +114,7 @@ def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) 
             break
         ctx = n_prompt + len(generated) - 1
         if ctx == timed_from:  # the memory figures end here, before the second cache exists
-            end = {"rss": rss(), "cache": cache.nbytes().total}
+            end = {"rss": rss(), "heap_in_use": heap_in_use(), "cache": cache.nbytes().total}
             short = QuantizedCache(model.config, preset)
             prefill(model, short, prompt[: args.short], args.chunk)
         if short is not None:
@@ -108,9 +127,11 @@ def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) 
         token = int(logits.argmax())
         if len(generated) % args.interval == 0 and short is None:
             recent = statistics.median(step_times[-args.timing_steps:])
-            sample = {"tokens": ctx + 1, "rss": rss(), "cache": cache.nbytes().total, "ms_per_token": 1e3 * recent}
+            sample = {"tokens": ctx + 1, "rss": rss(), "heap_in_use": heap_in_use(), "cache": cache.nbytes().total,
+                      "ms_per_token": 1e3 * recent}
             samples.append(sample)
-            log(f"{preset}: {sample['tokens']} tokens, RSS {sample['rss'] / 2**20:.1f} MiB, cache "
+            log(f"{preset}: {sample['tokens']} tokens, RSS {sample['rss'] / 2**20:.1f} MiB, heap in use "
+                f"{_mib(sample['heap_in_use'])} MiB, cache "
                 f"{sample['cache'] / 2**20:.2f} MiB, {recent * 1e3:.1f} ms/token ({1 / recent:.1f} tokens/s)")
     at_1k = statistics.median(short_times)
     at_end = statistics.median(step_times[-len(short_times):])
@@ -128,6 +149,8 @@ def run_preset(model, preset: str, prompt: torch.Tensor, total: int, args, log) 
         "cache_end": end["cache"], "memory_to_context": timed_from, "rss_growth": rss_growth,
         "cache_growth": cache_growth, "rss_beyond_cache": rss_growth - cache_growth,
         "rss_beyond_cache_after_first_sample": steady,
+        "heap_in_use_growth": (None if after_prompt["heap_in_use"] is None
+                               else end["heap_in_use"] - after_prompt["heap_in_use"]),
         "rss_target_ok": rss_growth <= cache_growth + 0.05 * after_prompt["rss"],
         "ms_per_token_at_1k": 1e3 * at_1k, "context_at_1k": args.short, "ms_per_token_at_end": 1e3 * at_end,
         "end_over_1k": at_end / at_1k, "timing": "interleaved", "samples": samples, "generated": generated,
