@@ -1,6 +1,7 @@
 """Soak test: one long greedy generation up to the model's context limit, per preset.
 
-Protocol (the same for every preset; ``full`` runs first and is the reference for divergence):
+Protocol (the same for every preset, each in a fresh process unless ``--same-process``; ``full`` runs first and is
+the reference for divergence):
 
 1. the prompt (``--prompt-tokens`` tokens from the start of the corpus, WikiText-2 where available) is fed in
    chunks of ``--chunk`` tokens;
@@ -172,6 +173,9 @@ def main() -> None:
     p.add_argument("--timing-steps", type=int, default=WINDOW,
                    help="last decode steps timed, interleaved with the second cache's (median of each)")
     p.add_argument("--interval", type=int, default=512, help="print every N generated tokens")
+    p.add_argument("--same-process", action="store_true",
+                   help="run every preset in this process (default: one fresh process per preset, so that no preset "
+                        "inherits the allocator state an earlier one left)")
     p.add_argument("--table", nargs="+", metavar="JSON", default=None,
                    help="print the table of earlier runs' JSON files (merged; divergence against their 'full') and stop")
     args = p.parse_args()
@@ -182,6 +186,9 @@ def main() -> None:
         return
     if "full" in args.presets:  # the reference for divergence runs first
         args.presets = ["full"] + [x for x in args.presets if x != "full"]
+    if len(args.presets) > 1 and not args.same_process:
+        run_isolated(args)
+        return
 
     from kvsqueeze.corpus import resolve_corpus, summary, tokenize
 
@@ -215,6 +222,39 @@ def main() -> None:
             write_json(args.json, doc)  # after every preset: a killed run keeps what it finished
     print()
     print("\n".join(table(results)))
+
+
+def run_isolated(args) -> None:
+    """Each preset in a fresh process of this script (same options); the results merged into one JSON and table."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    argv = sys.argv[1:]
+    keep = []  # the options minus --presets / --json and their values
+    skip = False
+    for a in argv:
+        if skip and not a.startswith("--"):
+            continue
+        skip = a in ("--presets", "--json")
+        if not skip and not a.startswith(("--presets=", "--json=")):
+            keep.append(a)
+    doc = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in args.presets:
+            out = Path(tmp) / f"{preset}.json"
+            subprocess.run([sys.executable, __file__, *keep, "--presets", preset, "--json", str(out)], check=True)
+            part = json.loads(out.read_text())
+            if doc is None:
+                doc = part
+            else:
+                doc["results"] += part["results"]
+            doc["processes"] = "one per preset"
+            if args.json:
+                write_json(args.json, doc)  # after every preset: a killed run keeps what it finished
+    print()
+    print("\n".join(table(doc["results"])))
 
 
 def table(results: list[dict]) -> list[str]:
