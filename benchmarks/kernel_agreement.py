@@ -23,7 +23,7 @@ import torch
 PRESETS = ("int8", "int4", "int2", "kivi-4", "kivi-2", "kivi-2-sink4", "rot-3")
 
 
-def greedy(model, ids: torch.Tensor, spec: str, backend: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy(model, ids: torch.Tensor, spec, backend: str, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(new tokens [steps], logits [steps, vocab]) of greedy decoding with a kvsqueeze cache."""
     from kvsqueeze.adapter import QuantizedCache, cache_kwargs
 
@@ -33,26 +33,46 @@ def greedy(model, ids: torch.Tensor, spec: str, backend: str, steps: int) -> tup
     return out.sequences[0, ids.shape[1]:], torch.stack(out.logits)[:, 0].float()
 
 
+def integer_scores(spec, head_dim: int) -> str:
+    """Whether the selected path scores the keys by integer dot products: yes / no, or "k of n layers" for an
+    artifact whose layers have their own formats."""
+    from kvsqueeze.kernels import cpu
+    from kvsqueeze.quant.format import storage_format
+
+    keys = [k for k, _ in spec.layer_overrides] if spec.layer_overrides else [spec.key]
+    hits = sum(cpu.integer_key_format(storage_format(k, head_dim, torch.float32)) for k in keys)
+    if len(keys) == 1:
+        return "yes" if hits else "no"
+    return f"{hits} of {len(keys)} layers"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens (WikiText-2 test, from its start)")
     p.add_argument("--steps", type=int, default=256)
-    p.add_argument("--presets", nargs="+", default=list(PRESETS))
+    p.add_argument("--presets", nargs="+", default=list(PRESETS),
+                   help="presets, spec strings or calibration artifact directories (for --model)")
+    p.add_argument("--model", default=None, help="Hugging Face directory or .gguf file (default: the embedded model)")
     p.add_argument("--isa", nargs="+", default=None, help="C++ kernel paths (default: every path this CPU runs)")
     args = p.parse_args(argv)
     from kvsqueeze.corpus import resolve_corpus
+    from kvsqueeze.errors import KvsqueezeError
     from kvsqueeze.eval.benchkit import load
     from kvsqueeze.kernels import cpu
-    from kvsqueeze.quant.format import storage_format
-    from kvsqueeze.spec import preset
+    from kvsqueeze.resolve import resolve_cache_spec
 
+    try:
+        specs = {name: resolve_cache_spec(name, "kernel_agreement.py") for name in args.presets}
+    except KvsqueezeError as err:  # before the model loads: one line naming what is allowed
+        raise SystemExit(f"kernel_agreement.py: {err}") from None
     model, tok, _ = load(args)
     text = resolve_corpus().text
-    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    text_cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // text_cfg.num_attention_heads
     ids = tok(text[: args.prompt * 8], return_tensors="pt").input_ids[:, : args.prompt]
     isas = [i for i in (args.isa or cpu.runnable_isas()) if i in cpu.runnable_isas()]
-    print(f"## C++ kernel vs reference: embedded model, {ids.shape[1]}-token WikiText-2 prompt, {args.steps} greedy "
+    print(f"## C++ kernel vs reference: {args.model or 'embedded model'}, {ids.shape[1]}-token WikiText-2 prompt, {args.steps} greedy "
           f"steps, {torch.get_num_threads()} threads; paths: {', '.join(isas)}\n")
     print("| preset | path | integer key scores | tokens equal | first divergence | max logit diff (kernel - reference) "
           "| max logit diff (reference - full) |")
@@ -60,17 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         full_tokens, full_logits = greedy(model, ids, "full", "torch", args.steps)
         for spec in args.presets:
-            ref_tokens, ref_logits = greedy(model, ids, spec, "torch", args.steps)
+            ref_tokens, ref_logits = greedy(model, ids, specs[spec], "torch", args.steps)
             same_as_full = int((ref_tokens == full_tokens).cumprod(0).sum())
             own = (ref_logits[:same_as_full] - full_logits[:same_as_full]).abs().max().item() if same_as_full else 0.0
             for isa in isas:
                 with cpu.use_isa(isa):
-                    got_tokens, got_logits = greedy(model, ids, spec, "cpu", args.steps)
-                    integer = cpu.integer_key_format(storage_format(preset(spec).key, head_dim, torch.float32))
+                    got_tokens, got_logits = greedy(model, ids, specs[spec], "cpu", args.steps)
+                    integer = integer_scores(specs[spec], head_dim)
                 agree = int((got_tokens == ref_tokens).cumprod(0).sum())
                 first = "none" if agree == args.steps else str(agree)
                 diff = (got_logits[:agree] - ref_logits[:agree]).abs().max().item() if agree else float("nan")
-                print(f"| {spec} | {isa} | {'yes' if integer else 'no'} | {agree}/{args.steps} | {first} | {diff:.2e} | "
+                print(f"| {spec} | {isa} | {integer} | {agree}/{args.steps} | {first} | {diff:.2e} | "
                       f"{own:.2e} (first {same_as_full} tokens equal to full's) |")
     return 0
 
