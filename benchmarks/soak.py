@@ -261,9 +261,9 @@ def table(results: list[dict]) -> list[str]:
     """The markdown table; divergence is recomputed against the ``full`` run among ``results`` (if any)."""
     ref = next((r["generated"] for r in results if r["preset"] == "full"), None)
     lines = ["| preset | tokens | prefill s | ms/token at ~1k | ms/token at end | end/1k | RSS after prompt MiB | "
-             "RSS growth MiB | cache growth MiB | RSS beyond cache MiB | same after 1st interval | RSS target | "
-             "first divergence from full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "RSS growth MiB | cache growth MiB | heap in use growth MiB | RSS beyond cache MiB | "
+             "same after 1st interval | RSS target | first divergence from full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if r["preset"] == "full" or ref is None:
             div = "-"
@@ -273,7 +273,8 @@ def table(results: list[dict]) -> list[str]:
         lines.append(f"| {r['preset']} | {r['total_tokens']} | {r['prefill_s']:.0f} | {r['ms_per_token_at_1k']:.1f} | "
                      f"{r['ms_per_token_at_end']:.1f} | {r['end_over_1k']:.2f} | "
                      f"{r['rss_after_prompt'] / 2**20:.0f} | {r['rss_growth'] / 2**20:.1f} | "
-                     f"{r['cache_growth'] / 2**20:.1f} | {(r['rss_growth'] - r['cache_growth']) / 2**20:.1f} | "
+                     f"{r['cache_growth'] / 2**20:.1f} | {_mib(r.get('heap_in_use_growth'))} | "
+                     f"{(r['rss_growth'] - r['cache_growth']) / 2**20:.1f} | "
                      f"{_mib(r.get('rss_beyond_cache_after_first_sample'))} | "
                      f"{'ok' if r['rss_target_ok'] else 'MISSED'} | {div} |")
     return lines
