@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvsqueeze
-from kvsqueeze.adapter import ATTN_NAME, QuantizedCache
+from kvsqueeze.adapter import ATTN_NAME, QuantizedCache, cache_kwargs
 
 
 def _ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -25,7 +25,7 @@ def test_generate_with_the_cache_restores_the_attention_implementation(tiny_llam
     cache = QuantizedCache(tiny_llama.config, "kivi-4")
     assert _impls(tiny_llama) == ("sdpa", "sdpa")  # creating a cache changes nothing
     with torch.no_grad():
-        out = tiny_llama.generate(_ids(40), past_key_values=cache, max_new_tokens=5, do_sample=False)
+        out = tiny_llama.generate(_ids(40), **cache_kwargs(tiny_llama, cache), max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 45)
     assert cache.get_seq_length() == 44  # the last generated token is never fed back
     assert _impls(tiny_llama) == ("sdpa", "sdpa")
@@ -37,8 +37,8 @@ def test_routed_steps_equal_patched_steps(tiny_llama):
 
     def run(cache):
         with torch.no_grad():
-            first = tiny_llama(ids[:, :60], past_key_values=cache).logits
-            rest = [tiny_llama(ids[:, t:t + 1], past_key_values=cache).logits for t in range(60, 70)]
+            first = tiny_llama(ids[:, :60], **cache_kwargs(tiny_llama, cache)).logits
+            rest = [tiny_llama(ids[:, t:t + 1], **cache_kwargs(tiny_llama, cache)).logits for t in range(60, 70)]
         return torch.cat([first[:, -1:], *rest], dim=1)
 
     routed = run(QuantizedCache(tiny_llama.config, "k4c32-v4t32-w32"))
@@ -59,8 +59,8 @@ def test_eager_models_are_routed_and_restored(tiny_llama):
     with torch.no_grad():
         ref = eager(ids).logits
         cache = QuantizedCache(eager.config, "full")
-        out = torch.cat([eager(ids[:, :30], past_key_values=cache).logits,
-                         eager(ids[:, 30:], past_key_values=cache).logits], dim=1)
+        out = torch.cat([eager(ids[:, :30], **cache_kwargs(eager, cache)).logits,
+                         eager(ids[:, 30:], **cache_kwargs(eager, cache)).logits], dim=1)
     assert eager.config._attn_implementation == "eager"
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
@@ -68,14 +68,14 @@ def test_eager_models_are_routed_and_restored(tiny_llama):
 def test_a_failed_step_restores_the_attention_implementation(tiny_llama):
     cache = QuantizedCache(tiny_llama.config, "kivi-4")
     with torch.no_grad():
-        tiny_llama(_ids(20), past_key_values=cache)
+        tiny_llama(_ids(20), **cache_kwargs(tiny_llama, cache))
 
     def boom(*args):
         raise RuntimeError("kernel failure")
 
     cache.layers[-1].kv.attend = boom
     with pytest.raises(RuntimeError, match="kernel failure"), torch.no_grad():
-        tiny_llama(_ids(1), past_key_values=cache)
+        tiny_llama(_ids(1), **cache_kwargs(tiny_llama, cache))
     assert _impls(tiny_llama) == ("sdpa", "sdpa")
     assert cache.get_seq_length() == 20
 
@@ -109,14 +109,15 @@ def test_transformers_chunked_prefill_works_with_the_cache(tiny_llama, batch):
     ids = torch.cat([_ids(70, seed=s) for s in range(batch)])
     kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True)
     with torch.no_grad():
-        got = tiny_llama.generate(ids, past_key_values=QuantizedCache(tiny_llama.config, spec),
+        got = tiny_llama.generate(ids, **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, spec)),
                                   prefill_chunk_size=24, **kw)
-        one_pass = tiny_llama.generate(ids, past_key_values=QuantizedCache(tiny_llama.config, spec), **kw)
+        one_pass = tiny_llama.generate(ids, **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, spec)), **kw)
         cache = QuantizedCache(tiny_llama.config, spec)
         head = tiny_llama.get_output_embeddings()
         want = [head(prefill(tiny_llama, ids, cache, chunk=24))]
         for step in range(3):
-            h = tiny_llama.model(input_ids=got.sequences[:, 70 + step:71 + step], past_key_values=cache).last_hidden_state
+            step_ids = got.sequences[:, 70 + step:71 + step]
+            h = tiny_llama.model(input_ids=step_ids, **cache_kwargs(tiny_llama.model, cache)).last_hidden_state
             want.append(head(h[:, -1]))
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(torch.stack(got.logits)[0], torch.stack(one_pass.logits)[0], atol=1e-4)
