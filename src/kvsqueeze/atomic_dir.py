@@ -17,7 +17,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -172,49 +172,44 @@ def _commit(tmp: Path, dest: Path, keep_existing: bool) -> None:
 
 
 @contextmanager
+def _staged(dest: Path, create: Callable[[Path], None], commit: Callable[[Path, Path], None]) -> Iterator[Path]:
+    """The staging both writers share: stale staging cleaned, a fresh entry made by ``create``, ``commit`` run
+    when the block ends normally, the entry removed when it raises; full-disk / read-only errors as
+    DiskWriteError naming ``dest``."""
+    with disk_errors(dest):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale(dest.parent, dest.name)
+        tmp = staging_path(dest)
+        create(tmp)
+    try:
+        with disk_errors(dest):
+            yield tmp
+            commit(tmp, dest)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+@contextmanager
 def staged_directory(dest: str | Path, keep_existing: bool = False) -> Iterator[Path]:
     """Yield a fresh staging sibling of ``dest`` to write into.  When the block ends normally it takes ``dest``'s
     place in one rename (an existing ``dest`` is swapped out, then removed; with ``keep_existing`` an existing
     ``dest`` wins instead); when the block raises, the staging folder is removed and ``dest`` is left as it was.
     A full disk or read-only target raises DiskWriteError."""
-    dest = Path(dest)
-    with disk_errors(dest):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(dest.parent, dest.name)
-        tmp = staging_path(dest)
-        tmp.mkdir()
-    try:
+    with _staged(Path(dest), Path.mkdir, lambda tmp, d: _commit(tmp, d, keep_existing)) as tmp:
         yield tmp
-        with disk_errors(dest):
-            _commit(tmp, dest, keep_existing)
-    except BaseException as exc:
-        _remove(tmp)
-        err = disk_error(exc, dest) if isinstance(exc, Exception) else None
-        if err is None or err is exc:
-            raise
-        raise err from exc
+
+
+def _empty_file(path: Path) -> None:
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, unlike mkstemp
 
 
 @contextmanager
 def staged_file(dest: str | Path) -> Iterator[Path]:
     """Yield a staging path next to ``dest`` (an empty file, created with the usual permissions) to write;
     it replaces ``dest`` when the block ends normally and is removed when it raises."""
-    dest = Path(dest)
-    with disk_errors(dest):
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(dest.parent, dest.name)
-        tmp = staging_path(dest)
-        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # umask applies, unlike mkstemp
-    try:
+    with _staged(Path(dest), _empty_file, os.replace) as tmp:
         yield tmp
-        with disk_errors(dest):
-            os.replace(tmp, dest)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        err = disk_error(exc, dest) if isinstance(exc, Exception) else None
-        if err is None or err is exc:
-            raise
-        raise err from exc
 
 
 def write_file_atomic(dest: str | Path, data: bytes | str) -> Path:
