@@ -85,9 +85,17 @@ def absmax_scale(xf: Tensor, qmax: int, clip: float, param_dtype: str) -> Tensor
     finite values.  A zero-range group (all values equal to c) takes ``clip * |c|``: c is then code +-1 and decodes
     to exactly c when c is representable in the parameter dtype."""
     mn, mx = finite_minmax(xf)
+    return symmetric_scale(mn, mx, qmax, clip, param_dtype)
+
+
+def symmetric_scale(mn: Tensor, mx: Tensor, qmax: float, clip: float, param_dtype: str) -> Tensor:
+    """``clip * max(|mn|, |mx|) / qmax`` rounded up in the parameter dtype and floored above 0, from a group's
+    finite min and max; a zero-range group (mn == mx == c) takes ``clip * |c|``, so c is code +-1 (integer and fp8
+    codes alike)."""
     amax = torch.maximum(-mn, mx) * clip
     raw = torch.where(mn == mx, amax, amax / qmax)
     return to_param(raw.clamp_min(scale_floor(param_dtype)), param_dtype, "up")
 
 
-__all__ = ["ZERO_DOMAINS", "affine_codes", "affine_values", "affine_ste", "minmax_params", "absmax_scale"]
+__all__ = ["ZERO_DOMAINS", "affine_codes", "affine_values", "affine_ste", "minmax_params", "absmax_scale",
+           "symmetric_scale"]

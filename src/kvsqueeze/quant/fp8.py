@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .affine import symmetric_scale
 from .nonfinite import LIMIT, finite_minmax, nan_to_zero
-from .params import scale_floor, to_param
 
 FP8_DTYPES: dict[str, torch.dtype] = {"fp8-e4m3": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2}
 FP8_MAX: dict[str, float] = {"fp8-e4m3": 448.0, "fp8-e5m2": 57344.0}
@@ -57,9 +57,7 @@ def fp8_quantize(
         mn, mx = finite_minmax(xf, reduce_dims)
     else:  # one scale per element: each is its own zero-range slice
         mn = mx = torch.where(torch.isfinite(xf), xf.clamp(-LIMIT, LIMIT), torch.zeros_like(xf))
-    amax = torch.maximum(-mn, mx)
-    raw = torch.where(mn == mx, amax, amax / fmax)
-    scale = to_param(raw.clamp_min(scale_floor(param_dtype)), param_dtype, "up")
+    scale = symmetric_scale(mn, mx, fmax, 1.0, param_dtype)
     # the clamp is a guard against float32 rounding in the division: e5m2 overflows to inf, not to its max
     q = (xf / scale.float()).clamp_(-fmax, fmax).to(dt)
     return q.view(torch.uint8), scale
