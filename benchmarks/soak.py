@@ -38,6 +38,7 @@ import psutil
 import torch
 
 from kvsqueeze.eval.benchkit import add_common_args, load, machine_block, write_json
+from kvsqueeze.heap import heap_in_use
 
 PRESETS = ("full", "kivi-4", "kivi-2-sink4", "rot-3")
 WINDOW = 32  # decode steps per timing median
@@ -45,25 +46,6 @@ WINDOW = 32  # decode steps per timing median
 
 def rss() -> int:
     return psutil.Process().memory_info().rss
-
-
-def heap_in_use() -> int | None:
-    """Bytes the C allocator has handed out and not had back (glibc's ``mallinfo2``; None elsewhere): RSS growth
-    beyond this is memory freed but kept by the allocator, not memory something still holds."""
-    try:
-        import ctypes
-
-        class _Info(ctypes.Structure):
-            _fields_ = [(n, ctypes.c_size_t) for n in
-                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                         "keepcost")]
-
-        fn = ctypes.CDLL(None).mallinfo2
-        fn.restype = _Info
-        info = fn()
-        return info.uordblks + info.hblkhd
-    except (OSError, AttributeError):
-        return None
 
 
 def feed(model, cache, ids: torch.Tensor) -> torch.Tensor:

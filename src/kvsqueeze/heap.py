@@ -1,4 +1,4 @@
-"""Handing freed memory back to the operating system.
+"""Handing freed memory back to the operating system, and how much of the heap is really in use.
 
 glibc keeps freed heap memory mapped (and raises its mmap threshold as large buffers are freed, so later ones come
 from the heap too): after a forward pass over a long chunk, the activations' pages stay in the process's resident
@@ -17,7 +17,7 @@ _libc = None
 _checked = False
 
 
-def _trim():
+def _glibc():
     global _libc, _checked
     if not _checked:
         _checked = True
@@ -30,11 +30,28 @@ def _trim():
     return _libc
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                               "uordblks", "fordblks", "keepcost")]
+
+
 def release_freed_memory(collect: bool = False) -> None:
     """Return free heap pages to the OS (glibc only; elsewhere a no-op).  ``collect`` runs the garbage collector
     first, for measurements that must not see memory kept by unreachable objects."""
     if collect:
         gc.collect()
-    lib = _trim()
+    lib = _glibc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C allocator has handed out and not had back (glibc 2.33+'s ``mallinfo2``; None elsewhere): RSS
+    growth beyond this is memory freed but kept by the allocator, not memory something still holds."""
+    lib = _glibc()
+    fn = getattr(lib, "mallinfo2", None) if lib is not None else None
+    if fn is None:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd
