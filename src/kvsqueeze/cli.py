@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if a in COMMANDS), None)
     try:
-        return _main(argv)
+        return _main(argv, command)
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's 128 + SIGINT; outputs are staged, none is partial
         print(f"kvsqueeze{' ' + command if command else ''}: interrupted; nothing partial was written",
               file=sys.stderr)
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a command whose reader left
 
 
-def _main(argv: list[str]) -> int:
-    parser = build_parser(next((a for a in argv if a in COMMANDS), None))
+def _main(argv: list[str], command: str | None) -> int:
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     if not getattr(args, "_module", None):
         parser.print_help()
@@ -98,6 +98,7 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"kvsqueeze {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())
