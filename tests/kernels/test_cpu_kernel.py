@@ -53,11 +53,19 @@ def test_window_sink_and_block_boundaries(spec, stored):
     assert_matches_reference(cpu.attend, layer, 4, 1)  # multi-query attention
 
 
-@pytest.mark.parametrize("head_dim", [32, 40, 128])
+@pytest.mark.parametrize("head_dim", [32, 40, 128, 256])
 @pytest.mark.parametrize("spec", ["full", "k4c32-v4t8-w32", "k8t8-v2t8", "fp8-e4m3", "k1c32-v1t8"])
 def test_head_dims(spec, head_dim):
     layer = filled_layer(spec, batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
     assert_matches_reference(cpu.attend, layer, 2, 1)  # no GQA
+
+
+@pytest.mark.parametrize("spec", ["full", "int8", "kivi-4", "kivi-2-sink4"])
+def test_head_dim_256_gemma_shape(spec):
+    """Gemma-3's heads (head_dim 256, 1 KV head, 4 query heads) on the compiled 256 path, integer key scores
+    included, over a history that ends mid-block."""
+    layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=256, stored=333, new=1, steps=2)
+    assert_matches_reference(cpu.attend, layer, 4, 1)
 
 
 def test_float_mask_and_fully_masked_rows():
@@ -171,7 +179,7 @@ def test_greedy_generation_matches_reference_mixed_sliding_batch(tiny_mixed_slid
 
 
 @pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int8", "int4", "int2", "k8c32-v8t32", "k4c16-v4t64"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_integer_scores_add_a_small_share_of_the_quantization_error(spec, head_dim):
     """The bound of the integer key path: against attention over the unquantized K/V, the kernel's error is the
     reference's own (the format's) plus at most 3% of it (measured up to 0.8%: int16 queries on 8-bit keys)."""

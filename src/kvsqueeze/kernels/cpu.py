@@ -234,6 +234,10 @@ def describe(build: bool = True) -> dict:
             "build_dir": str(_build_directory(_build_name(isa))) if ext is not None else None}
 
 
+# head_dims the decode kernel is compiled for (_csrc/decode.h's dispatch): its SIMD and integer paths serve these
+COMPILED_HEAD_DIMS = (64, 128, 256)
+
+
 def integer_scores(plan: SegmentPlan) -> bool:
     """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
     2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row): their
@@ -246,6 +250,8 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
     """:func:`integer_scores` for a key storage format."""
     isa = selected_isa()
     if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
+        return False
+    if fmt.head_dim not in COMPILED_HEAD_DIMS:  # other head_dims take the kernel's generic float path
         return False
     vw, ib = (16, 64) if isa == "avx512-vnni" else (8, 32)
     cb = ib // 2 if fmt.bits == 8 else ib

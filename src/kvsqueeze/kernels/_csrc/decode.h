@@ -190,8 +190,10 @@ Segments read_segments(const std::vector<at::Tensor>& parts, const std::vector<i
     s.n = seg_n[i];
     s.is_new = seg_new[i] != 0;
     g.Hkv = parts[6 * i].size(1);
-    g.kperm[seg_fmt[i]] = field_perm(s.k.f, D);
-    g.vperm[seg_fmt[i]] = field_perm(s.v.f, D);
+    if (g.kperm[seg_fmt[i]].chan.empty()) {  // once per format, not per segment (130 segments at 32k)
+      g.kperm[seg_fmt[i]] = field_perm(s.k.f, D);
+      g.vperm[seg_fmt[i]] = field_perm(s.v.f, D);
+    }
   }
   for (size_t f = 0; f < NF; ++f)
     if (g.kperm[f].chan.empty()) g.kperm[f] = g.vperm[f] = field_perm(Fmt{}, D);
@@ -261,6 +263,7 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
     for (int64_t w = lo; w < hi; ++w) {
       if (D == 64) run_item<64>(cx, w, sc);
       else if (D == 128) run_item<128>(cx, w, sc);
+      else if (D == 256) run_item<256>(cx, w, sc);  // Gemma-3's head_dim
       else run_item<0>(cx, w, sc);
     }
   });

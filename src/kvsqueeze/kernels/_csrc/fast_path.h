@@ -102,6 +102,22 @@ inline vf reduce_tokens(vf* x) {
   }
 }
 
+// The sum of one vector's lanes as a tree (log2(VW) dependent adds, not VW)
+inline float sum_lanes(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 x = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+  float t = 0.f;
+  for (int l = 0; l < VW; ++l) t += v[l];
+  return t;
+#endif
+}
+
 inline vf reduce_lanes(const vf* x) {
   vf y[VW];
   std::memcpy(y, x, sizeof(y));
