@@ -128,8 +128,9 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     std::fill(pr + 2, pr + W, 0.f);
   }
   // weighted values
-  const bool fast_v = DT > 0 && (try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp) ||
-                                 try_cb_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.chan.data(), sc.qa.data(), tp.A));
+  const bool fast_v =
+      DT > 0 && (try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp) ||
+                 try_cb_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.chan.data(), sc.qa.data(), tp.A));
   for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
     const int nt = std::min(TILE, n - t0);
     int64_t vs;
