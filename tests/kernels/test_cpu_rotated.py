@@ -89,3 +89,41 @@ def test_greedy_generation_matches_reference_tiny_llama(tiny_llama, spec):
                                        pad_token_id=1)
 
     assert generate("cpu").tolist() == generate("torch").tolist()
+
+
+# The fused path (kernels/_csrc/codebook_fast.h: levels in registers, AVX2 / AVX-512 builds, head_dim 64 and 128;
+# the generic build keeps the tiled path, run here too by the cpu_isa fixture): the presets, plain keys whose
+# stored length is no multiple of 16, centred keys and values over 32 tokens, centred keys over 8-token groups (two
+# in a vector of 16 tokens' scores), mixed 4/3-bit and 3/2-bit runs (the vector holding both runs' codes).
+FUSED_SPECS = ["rot-3", "rot-3.5", "k2.875r-v2.5r-w16-s3", "k3.875rc32-v2.5rc32-w32-s2", "k2.875rc8-v3.5r-w8-s1"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("spec", FUSED_SPECS)
+@pytest.mark.parametrize("stored", [37, 301])
+def test_fused_codebook_path_gqa_rows(spec, head_dim, stored):
+    """1-4 query rows per KV head (one new token), batch 2, several stored lengths and append steps."""
+    layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=head_dim, stored=stored, new=1, steps=3)
+    assert cpu.supports(layer.plan())
+    for rows in (1, 2, 3, 4):
+        assert_matches_reference(cpu.attend, layer, 2 * rows, 1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("spec", ["rot-3", "rot-3.5", "k3.875rc32-v2.5rc32-w32-s2"])
+def test_fused_codebook_path_several_new_tokens_and_mask(spec, head_dim):
+    """3 new tokens x 3 query heads per KV head: 9 rows (blocks of 4, 4 and 1), causal and padded."""
+    layer = filled_layer(spec, batch=2, kv_heads=1, head_dim=head_dim, stored=433, new=3, steps=2, seed=5)
+    assert_matches_reference(cpu.attend, layer, 3, 3)
+    assert_matches_reference(cpu.attend, layer, 3, 3, padding_mask(layer, 3, [0, 77]))
+
+
+@pytest.mark.parametrize("spec", ["rot-3", "k2.875r-v2.5r-w16-s3"])
+def test_fused_codebook_path_agrees_with_generic_build(spec):
+    """Every instruction-set path gives the generic build's output to float32 rounding (same algebra, other sums);
+    1000 tokens: several 256-token work items."""
+    layer = filled_layer(spec, batch=1, kv_heads=3, stored=1000, new=1, steps=2)
+    q = query_for(layer, 9, 1)
+    with cpu.use_isa("generic"):
+        want = cpu.attend(q, layer.plan(), None, 0.125)
+    torch.testing.assert_close(cpu.attend(q, layer.plan(), None, 0.125), want, atol=2e-5, rtol=0)

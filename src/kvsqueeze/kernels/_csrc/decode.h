@@ -63,6 +63,8 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, tp.A, tp.C, kpm.chan.data());
 #endif
   if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
+  if (!fast_k && DT > 0)  // rotated codebook keys: levels in registers (codebook_fast.h)
+    fast_k = try_cb_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.chan.data(), sc.qa.data(), tp.A);
   if (fast_k) {
   } else if (sg.k.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
@@ -126,7 +128,9 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     std::fill(pr + 2, pr + W, 0.f);
   }
   // weighted values
-  const bool fast_v = DT > 0 && try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp);
+  const bool fast_v =
+      DT > 0 && (try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp) ||
+                 try_cb_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.chan.data(), sc.qa.data(), tp.A));
   for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
     const int nt = std::min(TILE, n - t0);
     int64_t vs;

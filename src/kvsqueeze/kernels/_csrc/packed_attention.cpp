@@ -11,10 +11,10 @@
 //
 // Files: plan.h (the KernelPlan both entry points take), formats.h (tensor views, formats, parameters, generic
 // dequantization), simd_generic.h / simd_avx2.h (helpers per instruction set), codebook.h (rotated codebooks),
-// fast_path.h (vectorised float path), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h
-// (the decode entry point), multi.h (the multi-query entry point); this file: includes and bindings.  Each
-// instruction-set path is its own build (kernels/cpu.py), so the same sources compile with or without each
-// feature.
+// fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in registers), int_scores.h
+// (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h (the decode entry point), multi.h (the multi-query
+// entry point); this file: includes and bindings.  Each instruction-set path is its own build (kernels/cpu.py),
+// so the same sources compile with or without each feature.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -41,6 +41,7 @@
 #include "simd_avx2.h"
 #include "codebook.h"
 #include "fast_path.h"
+#include "codebook_fast.h"
 #include "int_scores.h"
 #include "mask.h"
 #include "decode.h"

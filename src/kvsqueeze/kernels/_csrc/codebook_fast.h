@@ -1,0 +1,401 @@
+// Rotated codebook sides (kind CODEBOOK) in the decode kernel without a float tile: AVX2 / AVX-512 builds.
+//
+// The generic path unpacked 32 rows of levels into L1 and read them back for a dot product or an axpy per token and
+// query row, which cost 3x the packed integer formats' step.  Here a token's codes are turned into levels in
+// registers and consumed at once, VW coordinates a vector:
+//   lane l of vector v holds rotated coordinate v VW + l (natural order: a packing unit's codes are consecutive
+//   coordinates, so one vector's codes lie in at most 11 consecutive bytes, high run then low run).  A 16-byte
+//   window of the row is broadcast to every 128-bit lane, one byte shuffle puts the bytes of each lane's code at
+//   the bottom of its 32-bit lane, one variable shift brings the code to bit 0, and one lane permutation of the
+//   level table (in a register) gives the level: vpermps reads only the low 4 (AVX2: 3) index bits, so a table
+//   with fewer levels is repeated to fill it and the bits above a code need no mask.  The one vector that holds the
+//   end of the high run and the start of the low run picks between the two tables per lane.
+// Scores: s_t = scale_t (q' . cb[codes_t]) + q' . mean_g: VW tokens' dot products are reduced at once
+// (reduce_lanes), then scaled; the mean term is one dot product per group.  Values: acc += (p_t scale_t) cb[codes_t],
+// plus (sum_t p_t) mean_g per group for centred values.  Queries and accumulators are in natural order here; the
+// hooks convert from / to the field-major order (Perm) run_item uses.
+#pragma once
+
+namespace {
+
+#if defined(__AVX2__)
+
+enum { CB_HI = 0, CB_LO = 1, CB_MIXED = 2 };
+
+// Where each lane of a row's vectors finds its code, and the level tables, for one format at head_dim DT.
+template <int DT>
+struct CbRow {
+  static constexpr int NV = DT / VW;
+  alignas(64) int8_t shuf[NV][4 * VW];  // byte shuffle per vector (the same 16-byte pattern in each 128-bit lane)
+  alignas(64) int32_t shift[NV][VW];
+  alignas(64) int32_t lo[NV][VW];  // mixed vector, low-run lanes: 16 (AVX-512: table select bit), -1 (AVX2: blend)
+  int off[NV], kind[NV];
+  int bytes = 0, need = 0;  // row bytes; bytes a row's windows read from its start
+  // false when a vector's codes do not fit one 16-byte window (cannot happen for VW <= 16 and widths <= 4)
+  bool init(const Fmt& f) {
+    const int nh = cb_n_hi(f), bh = f.bits, bl = cb_bits_lo(f);
+    const int hb = nh * bh / 8;
+    bytes = hb + (DT - nh) * bl / 8;
+    for (int v = 0; v < NV; ++v) {
+      int first[VW], width[VW];
+      bool any_hi = false, any_lo = false;
+      for (int l = 0; l < VW; ++l) {
+        const int c = v * VW + l;
+        const bool hi = c < nh;
+        const int bits = hi ? bh : bl, i = hi ? c : c - nh, base = hi ? 0 : hb;
+        if (bits == 3) {  // 8 codes per 3 bytes, code k of a unit at bit 3k
+          first[l] = base + 3 * (i / 8);
+          shift[v][l] = 3 * (i % 8);
+          width[l] = 3;
+        } else {  // 8 / bits codes per byte, code k at bit k bits
+          first[l] = base + i * bits / 8;
+          shift[v][l] = i * bits % 8;
+          width[l] = 1;
+        }
+        lo[v][l] = hi ? 0 : (VW == 16 ? 16 : -1);
+        any_hi |= hi;
+        any_lo |= !hi;
+      }
+      kind[v] = any_hi && any_lo ? CB_MIXED : any_hi ? CB_HI : CB_LO;
+      off[v] = *std::min_element(first, first + VW);
+      for (int l = 0; l < VW; ++l) {
+        const int rel = first[l] - off[v];
+        if (rel + width[l] > 16) return false;
+        for (int j = 0; j < 4; ++j)  // bytes past the window read as 0 (they only feed bits above the code)
+          shuf[v][4 * l + j] = static_cast<int8_t>(rel + j < 16 ? rel + j : -128);
+      }
+      // each 128-bit lane indexes its own copy of the window: the pattern of lanes 4..7 is the same bytes
+      need = std::max(need, off[v] + 16);
+    }
+    return true;
+  }
+};
+
+// The level tables in registers (repeated to 16 entries: the index bits above a code select the same level; AVX2:
+// entries 0-7 and 8-15), and the levels of vector v of a row
+struct CbTables {
+  alignas(64) float hi[16], lo[16];
+  bool four_hi, four_lo;
+  template <int DT>
+  CbTables(const Side& sd, std::integral_constant<int, DT>) {
+    const int bh = sd.f.bits, bl = cb_bits_lo(sd.f);
+    const float* lh = table_row(sd, DT);
+    const float* ll = table_row(sd, DT + 1);
+    for (int e = 0; e < 16; ++e) {
+      hi[e] = lh[e & ((1 << bh) - 1)];
+      lo[e] = ll[e & ((1 << bl) - 1)];
+    }
+    four_hi = bh == 4;
+    four_lo = bl == 4;
+  }
+};
+
+template <int DT>
+struct CbLevels {
+  const CbRow<DT>& cr;
+#if defined(__AVX512F__)
+  __m512 thi, tlo;
+  CbLevels(const CbRow<DT>& c, const CbTables& tb) : cr(c), thi(_mm512_load_ps(tb.hi)), tlo(_mm512_load_ps(tb.lo)) {}
+  __attribute__((always_inline)) inline vf operator()(const uint8_t* row, int v) const {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
+    const __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])),
+                                          _mm512_load_si512(cr.shift[v]));
+    __m512 out;
+    if (cr.kind[v] == CB_HI) {
+      out = _mm512_permutexvar_ps(idx, thi);
+    } else if (cr.kind[v] == CB_LO) {
+      out = _mm512_permutexvar_ps(idx, tlo);
+    } else {  // index bit 4 picks the table: (idx & 15) | lo
+      const __m512i sel = _mm512_ternarylogic_epi32(idx, _mm512_load_si512(cr.lo[v]), _mm512_set1_epi32(15), 0xEC);
+      out = _mm512_permutex2var_ps(thi, sel, tlo);
+    }
+    return reinterpret_cast<vf>(out);
+  }
+#else
+  __m256 ha, hb, la, lb;
+  bool four_hi, four_lo;
+  CbLevels(const CbRow<DT>& c, const CbTables& tb)
+      : cr(c), ha(_mm256_load_ps(tb.hi)), hb(_mm256_load_ps(tb.hi + 8)), la(_mm256_load_ps(tb.lo)),
+        lb(_mm256_load_ps(tb.lo + 8)), four_hi(tb.four_hi), four_lo(tb.four_lo) {}
+  static __attribute__((always_inline)) inline __m256 lookup(__m256i idx, __m256 a, __m256 b, bool four) {
+    __m256 v = _mm256_permutevar8x32_ps(a, idx);
+    if (four)  // bit 3 of the code picks the upper half of a 16-level table
+      v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(b, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    return v;
+  }
+  __attribute__((always_inline)) inline vf operator()(const uint8_t* row, int v) const {
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
+    const __m256i idx = _mm256_srlv_epi32(
+        _mm256_shuffle_epi8(raw, _mm256_load_si256(reinterpret_cast<const __m256i*>(cr.shuf[v]))),
+        _mm256_load_si256(reinterpret_cast<const __m256i*>(cr.shift[v])));
+    __m256 out;
+    if (cr.kind[v] == CB_HI) {
+      out = lookup(idx, ha, hb, four_hi);
+    } else if (cr.kind[v] == CB_LO) {
+      out = lookup(idx, la, lb, four_lo);
+    } else {
+      out = _mm256_blendv_ps(lookup(idx, ha, hb, four_hi), lookup(idx, la, lb, four_lo),
+                             _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(cr.lo[v]))));
+    }
+    return reinterpret_cast<vf>(out);
+  }
+#endif
+};
+
+// The lane layout of a format, built once per thread and format (it cost as much as a dozen tokens per work item);
+// null where init refuses it
+template <int DT>
+const CbRow<DT>* cb_lanes(const Fmt& f) {
+  struct Slot {
+    int bh = -1, nh = -1, bl = -1;
+    bool ok = false;
+    CbRow<DT> row;
+  };
+  static thread_local Slot slots[4];
+  static thread_local int next = 0;
+  for (Slot& sl : slots)
+    if (sl.bh == f.bits && sl.nh == cb_n_hi(f) && sl.bl == cb_bits_lo(f)) return sl.ok ? &sl.row : nullptr;
+  Slot& sl = slots[next];
+  next = (next + 1) % 4;
+  sl.bh = f.bits;
+  sl.nh = cb_n_hi(f);
+  sl.bl = cb_bits_lo(f);
+  sl.row = CbRow<DT>();
+  sl.ok = sl.row.init(f);
+  return sl.ok ? &sl.row : nullptr;
+}
+
+// A row's code bytes, or a zero-padded copy of them when its windows would read past the storage (Part::end)
+template <int DT>
+__attribute__((always_inline)) inline const uint8_t* cb_row(const Side& sd, const CbRow<DT>& cr, int64_t b, int64_t h,
+                                                            int64_t t, uint8_t* pad) {
+  const char* row = sd.x.row(b, h, t);
+  __builtin_prefetch(row + PREFETCH_BYTES);
+  if (__builtin_expect(row + cr.need > sd.x.end, 0)) {
+    std::memcpy(pad, row, cr.bytes);
+    return pad;
+  }
+  return reinterpret_cast<const uint8_t*>(row);
+}
+
+// x[0] = pair-sum levels [START, LOG2_VW) of x (VW >> START vectors, overwritten), as reduce_tokens, inlined
+template <int START>
+__attribute__((always_inline)) inline vf cb_reduce(vf* x) {
+  if constexpr (START >= LOG2_VW) {
+    return x[0];
+  } else {
+    constexpr vi lo = level_pattern<START>();
+    for (int i = 0; i < (VW >> START) / 2; ++i) x[i] = pair_sums(x[2 * i], x[2 * i + 1], lo, VW >> (START + 1));
+    return cb_reduce<START + 1>(x);
+  }
+}
+
+// dot_t = q' . cb[codes_t] for RB query rows (natural order), s = dot_t * scale_t.  AVX-512: TU = 4 tokens at a
+// time are summed pairwise in registers (levels 0-1 of reduce_tokens) and the rest VW tokens at once (parking every
+// token's vector on the stack and reducing from level 0 cost a third of the loop); AVX2 (16 registers) parks each.
+template <int DT, int RB>
+void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t b, int64_t h, int64_t t0, int n,
+               const float* q, float* s, int64_t s_stride, const float* scale) {
+  constexpr int NV = DT / VW, LTU = VW == 16 ? 2 : 0, TU = 1 << LTU, NB = VW / TU;
+  const CbLevels<DT> lv(cr, tb);
+  alignas(64) uint8_t pad[DT / 2 + 64] = {};
+  vf buf[RB][NB];
+  for (int t = 0; t < n; t += TU) {
+    vf acc[TU][RB];
+#pragma GCC unroll 4
+    for (int u = 0; u < TU; ++u) {
+      for (int r = 0; r < RB; ++r) acc[u][r] = vf{};
+      if (TU > 1 && t + u >= n) continue;  // past the item: zero
+      const uint8_t* row = cb_row(sd, cr, b, h, t0 + t + u, pad);
+      vf odd[RB];  // AVX2: a second chain per row (eight dependent multiply-adds per token were latency-bound)
+      for (int r = 0; r < RB; ++r) odd[r] = vf{};
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const vf x = lv(row, v);
+        for (int r = 0; r < RB; ++r) {
+          if (VW == 8 && (v & 1)) odd[r] += loadf(q + r * DT + v * VW) * x;
+          else acc[u][r] += loadf(q + r * DT + v * VW) * x;
+        }
+      }
+      if constexpr (VW == 8)
+        for (int r = 0; r < RB; ++r) acc[u][r] += odd[r];
+    }
+    const int blk = (t / TU) & (NB - 1);
+    for (int r = 0; r < RB; ++r) {
+      vf x[TU];
+      for (int u = 0; u < TU; ++u) x[u] = acc[u][r];
+      if constexpr (LTU == 2) {
+        constexpr vi l0 = level_pattern<0>(), l1 = level_pattern<1>();
+        buf[r][blk] = pair_sums(pair_sums(x[0], x[1], l0, VW / 2), pair_sums(x[2], x[3], l0, VW / 2), l1, VW / 4);
+      } else if constexpr (LTU == 1) {
+        constexpr vi l0 = level_pattern<0>();
+        buf[r][blk] = pair_sums(x[0], x[1], l0, VW / 2);
+      } else {
+        buf[r][blk] = x[0];
+      }
+    }
+    if (blk == NB - 1 || t + TU >= n) {
+      const int first = t - blk * TU, cnt = std::min(VW, n - first);
+      const vf sv = loadf(scale + first);  // (scale has VW floats of padding)
+      for (int r = 0; r < RB; ++r) {
+        for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
+        float red[VW];
+        storef(red, cb_reduce<LTU>(buf[r]) * sv);
+        std::memcpy(s + r * s_stride + first, red, sizeof(float) * cnt);
+      }
+    }
+  }
+}
+
+// acc (RB rows, natural order) += sum_t p_t cb[codes_t] (p: probabilities times the tokens' scales)
+template <int DT, int RB>
+void cb_values(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t b, int64_t h, int64_t t0, int n,
+               const float* p, int64_t p_stride, float* acc) {
+  constexpr int NV = DT / VW;
+  const CbLevels<DT> lv(cr, tb);
+  alignas(64) uint8_t pad[DT / 2 + 64] = {};
+  vf a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) a[r][v] = loadf(acc + r * DT + v * VW);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* row = cb_row(sd, cr, b, h, t0 + t, pad);
+    vf pr[RB];  // masked tokens have p = 0 exactly and add nothing: no test per token
+    for (int r = 0; r < RB; ++r) pr[r] = splat(p[r * p_stride + t]);
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      const vf x = lv(row, v);
+      for (int r = 0; r < RB; ++r) a[r][v] += pr[r] * x;
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int v = 0; v < NV; ++v) storef(acc + r * DT + v * VW, a[r][v]);
+}
+
+// Per-token scales of tokens [t0, t0+n) into out (centred: from each group's row, after its mean)
+inline void cb_scales(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* out) {
+  const int G = cb_group(sd.f);
+  const int64_t es = static_cast<int64_t>(c10::elementSize(sd.scale.dt));
+  if (!G) {
+    if (sd.scale.sr == es) {
+      load_row(sd.scale.dt, sd.scale.row(b, h, t0), n, out);
+    } else {
+      for (int t = 0; t < n; ++t) out[t] = ld(sd.scale.dt, sd.scale.row(b, h, t0 + t), 0);
+    }
+    return;
+  }
+  for (int64_t tok = t0; tok < t0 + n;) {
+    const int64_t g = tok / G, end = std::min<int64_t>((g + 1) * G, t0 + n);
+    load_row(sd.scale.dt, sd.scale.row(b, h, g) + (D + (tok - g * G)) * es, static_cast<int>(end - tok),
+             out + (tok - t0));
+    tok = end;
+  }
+}
+
+// Centred layouts: each(mean, lo, hi) for every group covering the item's tokens [lo, hi), its mean (natural
+// order) loaded into mean[D]
+template <typename F>
+void cb_groups(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* mean, F&& each) {
+  const int G = cb_group(sd.f);
+  if (!G) return;
+  for (int64_t tok = t0; tok < t0 + n;) {
+    const int64_t g = tok / G, end = std::min<int64_t>((g + 1) * G, t0 + n);
+    load_row(sd.scale.dt, sd.scale.row(b, h, g), D, mean);
+    each(static_cast<int>(tok - t0), static_cast<int>(end - t0));
+    tok = end;
+  }
+}
+
+// Hook for run_item: scores of R query rows (qs: field-major order chan, already scaled) against a CODEBOOK side.
+// qn: R * DT floats of scratch, sc: n + VW floats.
+template <int DT>
+bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
+                   int64_t s_stride, const int* chan, float* qn, float* sc) {
+  if (sd.f.kind != CODEBOOK || DT % VW) return false;
+  const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
+  if (!cr) return false;
+  const CbTables tb(sd, std::integral_constant<int, DT>{});
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < DT; ++j) qn[r * DT + chan[j]] = qs[r * DT + j];
+  std::fill(sc + n, sc + n + VW, 0.f);
+  cb_scales(sd, b, h, t0, n, DT, sc);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
+    const float* qr = qn + r0 * DT;
+    float* sr = s + r0 * s_stride;
+    switch (rb) {
+      case 1: cb_scores<DT, 1>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+      case 2: cb_scores<DT, 2>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+      case 3: cb_scores<DT, 3>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+      default: cb_scores<DT, 4>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+    }
+  }
+  float mean[DT];
+  cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {  // centred: + q' . mean_g over the group's tokens
+    for (int64_t r = 0; r < R; ++r) {
+      const float qm = dot<DT>(qn + r * DT, mean, DT);
+      float* sr = s + r * s_stride;
+      for (int t = lo; t < hi; ++t) sr[t] += qm;
+    }
+  });
+  return true;
+}
+
+// Hook for run_item: acc (field-major order chan, stride acc_stride) += sum_t p_t value_t in the rotated space.
+// an: R * DT floats of scratch, sc: n + VW floats.
+// p is multiplied by the tokens' scales in place.
+template <int DT>
+bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, float* p, int64_t p_stride,
+                   int64_t R, float* acc, int64_t acc_stride, const int* chan, float* an, float* sc) {
+  if (sd.f.kind != CODEBOOK || DT % VW) return false;
+  const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
+  if (!cr) return false;
+  const CbTables tb(sd, std::integral_constant<int, DT>{});
+  std::fill(an, an + R * DT, 0.f);
+  cb_scales(sd, b, h, t0, n, DT, sc);
+  float mean[DT];
+  cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {  // centred values: + (sum of the group's p) mean_g
+    for (int64_t r = 0; r < R; ++r) {
+      float ps = 0.f;
+      for (int t = lo; t < hi; ++t) ps += p[r * p_stride + t];
+      float* ar = an + r * DT;
+#pragma omp simd
+      for (int j = 0; j < DT; ++j) ar[j] += ps * mean[j];
+    }
+  });
+  for (int64_t r = 0; r < R; ++r) {
+    float* pr = p + r * p_stride;
+#pragma omp simd
+    for (int t = 0; t < n; ++t) pr[t] *= sc[t];
+  }
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
+    const float* pr = p + r0 * p_stride;
+    float* ar = an + r0 * DT;
+    switch (rb) {
+      case 1: cb_values<DT, 1>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+      case 2: cb_values<DT, 2>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+      case 3: cb_values<DT, 3>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+      default: cb_values<DT, 4>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int j = 0; j < DT; ++j) acc[r * acc_stride + j] += an[r * DT + chan[j]];
+  return true;
+}
+
+#else  // builds without AVX2 keep the tiled path
+
+template <int DT>
+bool try_cb_scores(const Side&, int64_t, int64_t, int64_t, int, const float*, int64_t, float*, int64_t, const int*,
+                   float*, float*) {
+  return false;
+}
+template <int DT>
+bool try_cb_values(const Side&, int64_t, int64_t, int64_t, int, float*, int64_t, int64_t, float*, int64_t,
+                   const int*, float*, float*) {
+  return false;
+}
+
+#endif
+
+}  // namespace
