@@ -113,7 +113,4 @@ const float* decode_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
   return out;
 }
 
-// p[i] = exp(x[i] - m) in place, returning the sum; vectorisable (std::exp is a scalar call and dominated the
-// decode step).  exp(y ln2) with y split into round(y) + f, |f| <= 1/2, and a degree-7 Taylor series for 2^f:
-
 }  // namespace

@@ -246,7 +246,6 @@ inline void channel_params(const Side& sd, int64_t b, int64_t h, int64_t grow, c
   }
 }
 
-// Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled
 template <int RUN>
 inline void dequant_runs(float* __restrict o, const float* ag, const float* cg, int per, int NG, int U) {
   for (int k = 0; k < per; ++k)

@@ -3,6 +3,8 @@
 
 namespace {
 
+// Dot product with 16 independent partial sums and a tree reduction: a plain float reduction loop is compiled (no
+// -ffast-math) to one dependent add per element.
 template <int DT>
 inline float dot(const float* __restrict a, const float* __restrict b, int Drt) {
   const int D = DT ? DT : Drt;
@@ -56,6 +58,8 @@ inline void unpack_lut(const uint8_t* __restrict src, float* __restrict dst, int
       for (int u = 0; u < U; ++u) dst[k * U + u] = lut[(src[u] >> (k * BITS)) & mask];
   }
 }
+// p[i] = exp(x[i] - m) in place, returning the sum; vectorisable (std::exp is a scalar call and dominated the
+// decode step).  exp(y ln2) with y split into round(y) + f, |f| <= 1/2, and a degree-7 Taylor series for 2^f.
 inline float exp_sum(float* __restrict x, int n, float m) {
   float total = 0.f;
 #pragma omp simd reduction(+ : total)
