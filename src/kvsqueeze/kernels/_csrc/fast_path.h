@@ -11,8 +11,9 @@ struct Item {
 // ------------------------------------------------------------------------------------------------ SIMD fast path
 // GCC vector extensions of the machine's native width (VW lanes: 16 with AVX-512, else 8: one AVX2 ymm; 16-lane
 // types on AVX2 were split into xmm pieces spilled through the stack and made the decode step 3-4x slower) for
-// head_dim 64/128 and the layouts the presets use: fp32, and 2/4/8-bit integer codes whose packing units fill whole
-// vectors.  Codes are unpacked in registers and consumed at once; nothing is written back to memory per token.
+// head_dim 64/128/256 (the compiled ones, decode.h) and the layouts the presets use: fp32, and 2/4/8-bit integer
+// codes whose packing units fill whole vectors.  Codes are unpacked in registers and consumed at once; nothing is
+// written back to memory per token.
 #if defined(__AVX512F__)
 constexpr int VW = 16;
 #else

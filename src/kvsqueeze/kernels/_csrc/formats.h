@@ -83,7 +83,7 @@ void init_luts() {
 // Codes of one token row, unpacked as float but not yet scaled.  Packed widths come out "field-major": the k-th
 // code of every packing unit first (position k*U + u holds channel u*per + k), which turns unpacking into
 // constant shifts over contiguous bytes that the compiler vectorises; queries and outputs are permuted to match.
-// DT is head_dim when known at compile time (64, 128), else 0 and Drt is used.
+// DT is head_dim when known at compile time (64, 128, 256), else 0 and Drt is used.
 template <int BITS, int DT>
 inline void unpack_fm(const uint8_t* __restrict src, float* __restrict dst, int Drt) {
   const int D = DT ? DT : Drt;
