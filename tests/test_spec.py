@@ -48,6 +48,8 @@ def test_full_preset_quantizes_nothing():
     (lambda: CacheSpec(sinks=-1), "non-negative"),
     (lambda: preset("nope"), "unknown preset 'nope'; allowed: full, int8"),
     (lambda: QuantSpec(bits=4, group=48).check_head_dim(64), "does not divide head_dim 64"),
+    # a centred rotated group that does not divide the 256-token block: refused when parsed, naming those that fit
+    (lambda: preset("k3rc24-v2.5r-w48-s4"), "token groups that fit 256-token blocks: 1, 2, 4, 8, 16, 32, 64, 128, 256"),
 ])
 def test_bad_specs_name_the_allowed_values(build, message):
     with pytest.raises(ValueError, match=message):

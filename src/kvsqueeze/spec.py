@@ -201,7 +201,10 @@ class CacheSpec:
                 f"use one of {', '.join(str(f * k) for k in range(0, 5))}, ..."
             )
         if self.block_tokens < 1 or self.block_tokens % f:
-            raise ValueError(f"block_tokens {self.block_tokens} must be a positive multiple of {f}")
+            b = self.block_tokens
+            fits = ", ".join(str(d) for d in range(1, b + 1) if b % d == 0) if b >= 1 else "none"
+            raise ValueError(f"block_tokens {b} must be a positive multiple of the key/value token group {f}; "
+                             f"token groups that fit {b}-token blocks: {fits}")
         if self.key.token_group > 1 and self.value.token_group > 1 and self.key.token_group != self.value.token_group:
             raise ValueError("keys and values grouped along tokens must use the same token group size")
 
