@@ -206,12 +206,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
         next = (grow + 1) * sd.f.group;
         float a[DT], c[DT], qe[RB * DT];
 #if defined(KVSQ_CHAN_GATHER)
-        {
-          float an[DT], cn[DT];
-          affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
-          gather.apply(an, a);
-          gather.apply(cn, c);
-        }
+        channel_params(sd, b, h, grow, DT, a, c, [&gather](const float* in, float* out) { gather.apply(in, out); });
 #else
         channel_params(sd, b, h, grow, chan, DT, a, c);
 #endif
