@@ -100,9 +100,9 @@ def test_sliding_window_layer_after_eviction(spec):
 
 @pytest.mark.parametrize("spec", ["kivi-2-sink4", "k4c16-v8t8-w16-s1"])
 def test_stored_run_reused_between_flushes_and_rebuilt_after_edits(spec):
-    """Decode steps between two flushes reuse the flattened stored blocks (kernel_plan's run, kept on the first
-    block's segment); flushes, a crop into the history and a batch reorder rebuild it, and every step matches the
-    reference over what is stored then."""
+    """Decode steps between two flushes reuse the flattened stored blocks (kernel_plan's run, kept in the store's
+    memo, and the kernel's reading of it); flushes, a crop into the history and a batch reorder rebuild it, and
+    every step matches the reference over what is stored then."""
     g = torch.Generator().manual_seed(5)
     layer = filled_layer(spec, batch=2, kv_heads=2, stored=600, new=1)
     reused, prev = 0, None
@@ -123,9 +123,31 @@ def test_stored_run_reused_between_flushes_and_rebuilt_after_edits(spec):
         layer.commit()
     flushes = 90 // layer.spec.flush_tokens
     assert 90 - flushes - 4 <= reused < 90 - flushes  # at least every flush, crop and reorder rebuilt it
+    ext = cpu.load_extension()
+    assert run.native(ext, 64) is run.native(ext, 64)  # read by the kernel once
     clone = copy.deepcopy(layer)  # the run holds native objects: a copy starts without it
     clone.stage(torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g))
     assert_matches_reference(cpu.attend, clone, 4, 1)
+
+
+def test_stored_run_refuses_a_plan_it_does_not_fit():
+    """The kernel checks where a stored run goes and that the plan describes it with the formats it was read with."""
+    layer = filled_layer("kivi-4", batch=1, kv_heads=2, stored=600, new=1)
+    ext = cpu.load_extension()
+    q = query_for(layer, 4, 1)
+    kp = cpu.kernel_plan(layer.plan(), None, 0.125)
+    native = kp.native(ext, 64)
+    native.head_at = len(kp.positions) + 1
+    with pytest.raises(RuntimeError, match="stored run index out of range"):
+        ext.attend(q, native, cpu.CHUNK_TOKENS)
+    native = kp.native(ext, 64)
+    fmts = list(native.formats)
+    fmts[12 + 1] = 2  # the store's keys as 2-bit codes
+    native.formats = fmts
+    with pytest.raises(RuntimeError, match="other formats than the plan's"):
+        ext.attend(q, native, cpu.CHUNK_TOKENS)
+    with pytest.raises(RuntimeError, match="cannot hold another"):
+        ext.read_run(kp.native(ext, 64), 64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -16,7 +16,7 @@ import torch
 
 from ..quant.format import StorageFormat
 from .codecs import Codec
-from .plan import STORED, Segment
+from .plan import STORED, Memo, Segment
 
 # an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline
 FastEncoder = Callable[[StorageFormat, torch.Tensor], "dict[str, torch.Tensor] | None"]
@@ -43,6 +43,8 @@ class BlockStore:
         self.blocks: list[_Block] = []
         self.end = 0  # tokens ever appended (minus truncations)
         self.begin = 0  # first token still stored (whole blocks are evicted for sliding-window layers)
+        # segments() of the blocks as they are: (base, segments, memo), until anything changes them
+        self._run: tuple[int, tuple[Segment, ...], Memo] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -93,6 +95,7 @@ class BlockStore:
             new_blocks.append(self._new_block(pos + free + len(new_blocks) * self.block_tokens))
             need -= self.block_tokens
         self.blocks.extend(new_blocks)
+        self._run = None
         written = 0
         for blk in self.blocks:
             if blk.used == self.block_tokens or blk.start + blk.used != self.end + written:
@@ -124,9 +127,12 @@ class BlockStore:
 
         return decode
 
-    def segments(self, base: int) -> list[Segment]:
+    def segments(self, base: int) -> tuple[tuple[Segment, ...], Memo]:
         """One stored segment per block in use, with its parts as stored and a decoder (absolute position of store
-        index 0: ``base``)."""
+        index 0: ``base``), and a memo for what kernels derive from them.  While no block changes, the same tuple
+        and memo are returned: a decode step between two flushes stores nothing new."""
+        if self._run is not None and self._run[0] == base:
+            return self._run[1], self._run[2]
         out = []
         for blk in self.blocks:
             if blk.used:
@@ -137,7 +143,8 @@ class BlockStore:
                                           decode=self._decoder(blk, base))
                     blk.segment_key = key
                 out.append(blk.segment)
-        return out
+        self._run = (base, tuple(out), Memo())
+        return self._run[1], self._run[2]
 
     def chunks(self, base: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (first token index, keys, values) per block, decoded to float32; one block alive at a time."""
@@ -164,12 +171,14 @@ class BlockStore:
 
     def restore(self, state: tuple) -> None:
         blocks, used, self.end, self.begin, shared = state
+        self._run = None
         for blk, n in zip(blocks, used):
             blk.used = n
         self.blocks, self.shared = list(blocks), {side: dict(d) for side, d in shared.items()}
 
     def truncate(self, n_end: int) -> None:
         """Forget tokens from store index ``n_end`` on (must fall on a token-group boundary)."""
+        self._run = None
         keep = []
         for blk in self.blocks:
             if blk.start >= n_end:
@@ -181,6 +190,7 @@ class BlockStore:
 
     def evict_before(self, index: int) -> None:
         """Drop whole blocks whose tokens all precede store index ``index`` (sliding-window layers)."""
+        self._run = None
         while self.blocks and self.blocks[0].used == self.block_tokens and \
                 self.blocks[0].start + self.block_tokens <= index:
             self.blocks.pop(0)
@@ -189,6 +199,7 @@ class BlockStore:
     def map_batch(self, fn) -> None:
         """Apply ``fn`` (index_select / repeat_interleave on dim 0) to every stored tensor, shared ones included
         (fp8 per-head and per-tensor scales have one row per sequence)."""
+        self._run = None
         for blk in self.blocks:
             blk.parts = {k: fn(t) for k, t in blk.parts.items()}
             blk.segment, blk.segment_key = None, ()

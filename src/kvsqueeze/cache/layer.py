@@ -17,7 +17,7 @@ import torch
 from ..spec import CacheSpec
 from .blocks import BlockStore, FastEncoder
 from .factory import make_codec
-from .plan import EXACT, Segment, SegmentPlan
+from .plan import EXACT, Memo, Segment, SegmentPlan
 
 
 class FpWindow:
@@ -277,22 +277,25 @@ class LayerKV:
     def plan(self) -> SegmentPlan:
         """What attention reads this step, in token order: sinks, stored blocks (parts as stored, decoded only on
         demand), the window, then the pending tokens."""
-        segs: list[Segment] = []
+        before: tuple[Segment, ...] = ()
+        stored: tuple[Segment, ...] = ()
+        after: list[Segment] = []
+        memo = Memo()
         if self.sink_k is not None and self.sink_k.shape[2]:
-            segs.append(Segment(EXACT, 0, self.sink_k.shape[2], k=self.sink_k, v=self.sink_v))
+            before = (Segment(EXACT, 0, self.sink_k.shape[2], k=self.sink_k, v=self.sink_v),)
         store = self.store
         if store is not None:
-            segs.extend(store.segments(self.n_sinks))
+            stored, memo = store.segments(self.n_sinks)
             if self.window.length:
                 wk, wv = self.window.view()
-                segs.append(Segment(EXACT, self.n_sinks + store.end, self.window.length, k=wk, v=wv))
+                after.append(Segment(EXACT, self.n_sinks + store.end, self.window.length, k=wk, v=wv))
         if self.pending is not None:
             k, v = self.pending
-            segs.append(Segment(EXACT, self.n_total, k.shape[2], is_new=True, k=k, v=v))
+            after.append(Segment(EXACT, self.n_total, k.shape[2], is_new=True, k=k, v=v))
         fmts = (None, None) if store is None else (store.codecs["k"].fmt, store.codecs["v"].fmt)
         shared = ({}, {}) if store is None else (store.shared["k"], store.shared["v"])
-        return SegmentPlan(tuple(segs), fmts[0], fmts[1], self.first_visible, self.n_total,
-                           self.spec.flush_tokens, shared[0], shared[1])
+        return SegmentPlan(before, stored, tuple(after), fmts[0], fmts[1], self.first_visible, self.n_total,
+                           self.spec.flush_tokens, shared[0], shared[1], memo)
 
     # ------------------------------------------------------------------ editing
     def crop(self, new_length: int) -> None:

@@ -21,8 +21,8 @@ EXACT, STORED = "exact", "stored"
 
 
 class Memo(dict):
-    """A kernel's derived data on a segment: a copied or pickled cache starts without it (it may hold native
-    objects, and is rebuilt on first use)."""
+    """A kernel's derived data on a run of stored segments: a copied or pickled cache starts without it (it may
+    hold native objects, and is rebuilt on first use)."""
 
     def __deepcopy__(self, memo) -> Memo:
         return Memo()
@@ -51,8 +51,6 @@ class Segment:
     k_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     v_parts: Mapping[str, torch.Tensor] = field(default_factory=dict)
     decode: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
-    # derived data a kernel may keep for as long as this (immutable) segment is reused from step to step
-    memo: dict = field(default_factory=lambda: Memo(), compare=False, repr=False)
 
     def values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of this segment: as held for exact segments, decoded for stored ones."""
@@ -63,15 +61,20 @@ class Segment:
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """Everything one layer's attention step reads.
+    """Everything one layer's attention step reads: ``segments`` = ``before`` (sinks) + ``stored`` (the packed
+    blocks) + ``after`` (the window, the step's new tokens).
 
-    key_format / value_format: how stored segments are stored.  key_shared / value_shared: tensors shared by
-    every stored token of a side (fp8 per-head / per-tensor scales), by name.  first_visible: absolute position
-    of the first token still stored (mask columns are positions minus this).  query_start: absolute position of
-    the first new token.  flush_tokens: stored segments hold whole token groups of this size.
+    stored: the store hands over the same tuple, with the same ``stored_memo``, for as long as its blocks are
+    unchanged, so a kernel keeps what it derives from them there (a decode step then costs the same whatever the
+    number of blocks).  key_format / value_format: how stored segments are stored.  key_shared / value_shared:
+    tensors shared by every stored token of a side (fp8 per-head / per-tensor scales), by name.  first_visible:
+    absolute position of the first token still stored (mask columns are positions minus this).  query_start:
+    absolute position of the first new token.  flush_tokens: stored segments hold whole token groups of this size.
     """
 
-    segments: tuple[Segment, ...]
+    before: tuple[Segment, ...]
+    stored: tuple[Segment, ...]
+    after: tuple[Segment, ...]
     key_format: StorageFormat | None
     value_format: StorageFormat | None
     first_visible: int
@@ -79,10 +82,11 @@ class SegmentPlan:
     flush_tokens: int = 1
     key_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
     value_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    stored_memo: dict = field(default_factory=lambda: Memo(), compare=False, repr=False)
 
     @property
-    def stored(self) -> tuple[Segment, ...]:
-        return tuple(s for s in self.segments if s.kind == STORED)
+    def segments(self) -> tuple[Segment, ...]:
+        return self.before + self.stored + self.after
 
     @property
     def new(self) -> Segment | None:

@@ -317,13 +317,13 @@ class KernelPlan:
     head: _StoredRun | None = None
     head_at: int = 0
 
-    def native(self, ext: ModuleType):
+    def native(self, ext: ModuleType, head_dim: int):
         out = ext.KernelPlan()
         for name in self.__dataclass_fields__:
-            if name not in ("head", "head_at"):  # the C++ struct's fields are the others
+            if name not in ("head", "head_at"):  # set below: the run as the kernel read it once
                 setattr(out, name, getattr(self, name))
         if self.head is not None:
-            out.insert_head(self.head.native(ext), self.head_at)
+            out.head, out.head_at = self.head.native(ext, head_dim), self.head_at
         return out
 
     @property
@@ -333,29 +333,28 @@ class KernelPlan:
 
 @dataclass
 class _StoredRun:
-    """A layer's stored blocks flattened for the kernel, kept on the first block's segment (``Segment.memo``) and
-    reused while the plan holds the same segment objects: between two flushes a decode step stores nothing new, and
-    flattening 6 tensors per block into the native plan cost ~0.15 ms per layer and step at 32k tokens."""
+    """A layer's stored blocks flattened for the kernel, kept in the plan's ``stored_memo``: the store hands over the
+    same memo while its blocks are unchanged (between two flushes a decode step stores nothing new).  The kernel
+    reads it once into tensor views (``read_run``) and each step's plan only points at that, so a step's cost does
+    not grow with the number of blocks (flattening 6 tensors per block each step cost ~0.15 ms per layer at 32k
+    tokens; reading them in the kernel ~0.04 ms per layer at 8k, their headers being cold after the model's weights)."""
 
-    segments: tuple  # the run's segments after the first (the first holds this object; no reference cycle)
     store: tuple  # the formats and shared tensors it was flattened with (the store's: fixed while it lives)
     plan: KernelPlan
-    natives: dict = field(default_factory=dict)  # per extension module: its KernelPlan of these segments
+    natives: dict = field(default_factory=dict)  # per (extension module, head_dim): the kernel's StoredRun
 
-    def native(self, ext: ModuleType):
-        out = self.natives.get(ext.__name__)
+    def native(self, ext: ModuleType, head_dim: int):
+        key = (ext.__name__, head_dim)
+        out = self.natives.get(key)
         if out is None:
-            out = self.natives[ext.__name__] = self.plan.native(ext)
+            out = self.natives[key] = ext.read_run(self.plan.native(ext, head_dim), head_dim)
         return out
-
-    def reusable(self, rest: tuple, store: tuple) -> bool:
-        # the same segment objects hold the same tensors and lengths (segments are immutable)
-        return (len(self.segments) == len(rest) and all(a is b for a, b in zip(self.segments, rest))
-                and all(a is b for a, b in zip(self.store, store)))
 
 
 def _flatten(kp: KernelPlan, plan: SegmentPlan, segments) -> None:
     for seg in segments:
+        if not seg.length:
+            continue
         if seg.kind == EXACT:
             kp.parts.extend((seg.k, _EMPTY, _EMPTY, seg.v, _EMPTY, _EMPTY))
         else:
@@ -367,31 +366,27 @@ def _flatten(kp: KernelPlan, plan: SegmentPlan, segments) -> None:
         kp.format_index.append(int(seg.kind != EXACT))
 
 
-def _stored_run(plan: SegmentPlan, run: list) -> _StoredRun:
-    rest = tuple(run[1:])
+def _stored_run(plan: SegmentPlan, formats: list[int]) -> _StoredRun:
     store = (plan.key_format, plan.value_format, plan.key_shared, plan.value_shared)
-    got = run[0].memo.get("kernel_run")
-    if got is None or not got.reusable(rest, store):
-        kp = KernelPlan()
-        _flatten(kp, plan, run)
-        got = run[0].memo["kernel_run"] = _StoredRun(rest, store, kp)
+    got = plan.stored_memo.get("kernel_run")
+    if got is None or not all(a is b for a, b in zip(got.store, store)):
+        kp = KernelPlan(formats=formats)
+        _flatten(kp, plan, plan.stored)
+        got = plan.stored_memo["kernel_run"] = _StoredRun(store, kp)
     return got
 
 
 def kernel_plan(plan: SegmentPlan, mask: torch.Tensor | None = None, scaling: float = 1.0) -> KernelPlan:
     """Flatten a segment plan into the kernel's plan; its run of stored blocks comes from the previous step's
-    flattening while it holds the same blocks."""
+    flattening while the store holds the same blocks."""
     kp = KernelPlan(formats=[_FP, 16, 1, 0, 0, 0] * 2, mask=_EMPTY if mask is None else mask,
                     kv_offset=plan.first_visible, query_start=plan.query_start, scaling=float(scaling))
     if plan.key_format is not None:
         kp.formats += _fmt(plan.key_format) + _fmt(plan.value_format)
-    segs = [s for s in plan.segments if s.length]
-    stored = [i for i, s in enumerate(segs) if s.kind != EXACT]
-    if stored and stored[-1] - stored[0] + 1 == len(stored):  # one contiguous run of blocks (as LayerKV plans)
-        a, b = stored[0], stored[-1] + 1
-        kp.head, kp.head_at = _stored_run(plan, segs[a:b]), a
-        segs = segs[:a] + segs[b:]
-    _flatten(kp, plan, segs)
+    _flatten(kp, plan, plan.before)
+    if plan.stored:
+        kp.head, kp.head_at = _stored_run(plan, kp.formats), len(kp.positions)
+    _flatten(kp, plan, plan.after)
     return kp
 
 
@@ -416,7 +411,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     chunk = max(f, CHUNK_TOKENS // f * f)
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
     if query.shape[2] > MAX_QUERIES:
-        out = ext.attend_multi(q, kp.native(ext), Q_TILE, K_TILE)
+        out = ext.attend_multi(q, kp.native(ext, q.shape[3]), Q_TILE, K_TILE)
     else:
-        out = ext.attend(q, kp.native(ext), chunk)
+        out = ext.attend(q, kp.native(ext, q.shape[3]), chunk)
     return out.to(query.dtype)

@@ -11,7 +11,6 @@ struct Ctx {
   const float* qrot;  // queries rotated by the keys' codebook rotation (q R), or null
   const std::vector<Seg>* segs;
   const std::vector<Item>* items;
-  const std::vector<int64_t>* seg_fmt;
   const std::vector<Perm>*kperm, *vperm;
   float* part;
   MaskView mask;
@@ -35,8 +34,8 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   const Item& it = (*cx.items)[w % cx.NI];
   const Seg& sg = (*cx.segs)[it.seg];
   const int n = it.n;
-  const Perm& kpm = (*cx.kperm)[(*cx.seg_fmt)[it.seg]];
-  const Perm& vpm = (*cx.vperm)[(*cx.seg_fmt)[it.seg]];
+  const Perm& kpm = (*cx.kperm)[sg.fmt];
+  const Perm& vpm = (*cx.vperm)[sg.fmt];
   float* pw = cx.part + w * R * W;
   float* qs = sc.qs.data();
   float* s = sc.s.data();
@@ -148,9 +147,71 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
 }  // namespace
 
 
-// The segment lists both entry points take, unpacked: one Seg per segment, each format's field orders (formats no
-// segment uses get identity orders, never read) and, per format, a rotated-codebook side whose table (rotation +
-// levels) was checked here once.
+// One segment from its 6 parts (keys x/scale/zero, values x/scale/zero) and format index into fmts (12 ints per
+// format); a rotated-codebook side's table (rotation + levels) is checked here.
+Seg read_segment(const at::Tensor* parts, int64_t pos, int64_t n, bool is_new, int64_t fmt,
+                 const std::vector<int64_t>& fmts, int D) {
+  TORCH_CHECK(fmt >= 0 && static_cast<size_t>(fmt) < fmts.size() / 12, "bad segment format index");
+  Seg s;
+  Side* sides[2] = {&s.k, &s.v};
+  for (int w = 0; w < 2; ++w) {
+    const int64_t* fm = fmts.data() + 12 * fmt + 6 * w;
+    sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+    sides[w]->x = make_part(parts[3 * w]);
+    sides[w]->scale = make_part(parts[3 * w + 1]);
+    sides[w]->zero = make_part(parts[3 * w + 2]);
+    if (sides[w]->f.kind != CODEBOOK) continue;
+    const at::Tensor& tab = parts[3 * w + 2];
+    const Fmt& f = sides[w]->f;
+    TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
+                tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
+                "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
+    TORCH_CHECK(f.bits >= 1 && f.bits <= 4 && cb_bits_lo(f) >= 1 && cb_bits_lo(f) <= 4 && cb_n_hi(f) % 8 == 0 &&
+                (D - cb_n_hi(f)) % 8 == 0 && cb_group(f) >= 0, "bad codebook format");
+  }
+  s.pos = pos;
+  s.n = n;
+  s.fmt = fmt;
+  s.is_new = is_new;
+  return s;
+}
+
+// The plan's own segments (6 parts each) with the stored run it holds read once before (read_run), in order.
+std::vector<Seg> plan_segments(const KernelPlan& p, int D, int64_t& Hkv) {
+  const size_t S = p.positions.size();
+  TORCH_CHECK(p.parts.size() == 6 * S && p.lengths.size() == S && p.is_new.size() == S &&
+              p.format_index.size() == S, "bad segment lists");
+  const StoredRun* run = p.head.get();
+  TORCH_CHECK(!run || (p.head_at >= 0 && static_cast<size_t>(p.head_at) <= S), "stored run index out of range");
+  TORCH_CHECK(!run || run->formats == p.formats, "a stored run was read with other formats than the plan's");
+  std::vector<Seg> segs;
+  segs.reserve(S + (run ? run->segs.size() : 0));
+  for (size_t i = 0; i <= S; ++i) {
+    if (run && static_cast<size_t>(p.head_at) == i) {
+      segs.insert(segs.end(), run->segs.begin(), run->segs.end());
+      Hkv = run->Hkv;
+    }
+    if (i == S) break;
+    segs.push_back(read_segment(p.parts.data() + 6 * i, p.positions[i], p.lengths[i], p.is_new[i] != 0,
+                                p.format_index[i], p.formats, D));
+    Hkv = p.parts[6 * i].size(1);
+  }
+  return segs;
+}
+
+// A plan's segments read once, to be put in front of segment head_at of later plans (kernels/cpu.py).
+std::shared_ptr<StoredRun> read_run(const KernelPlan& p, int64_t D) {
+  TORCH_CHECK(!p.head, "a stored run cannot hold another");
+  TORCH_CHECK(D > 0 && D <= 512, "head_dim up to 512 is supported");
+  auto run = std::make_shared<StoredRun>();
+  run->segs = plan_segments(p, static_cast<int>(D), run->Hkv);
+  run->parts = p.parts;
+  run->formats = p.formats;
+  return run;
+}
+
+// What both entry points read: every segment in order, each format's field orders (formats no segment uses get
+// identity orders, never read) and, per format, a rotated-codebook side holding its table.
 struct Segments {
   std::vector<Seg> segs;
   std::vector<Perm> kperm, vperm;
@@ -158,45 +219,20 @@ struct Segments {
   int64_t Hkv = 0;
 };
 
-Segments read_segments(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& seg_pos,
-                       const std::vector<int64_t>& seg_n, const std::vector<int64_t>& seg_new,
-                       const std::vector<int64_t>& seg_fmt, const std::vector<int64_t>& fmts, int D) {
-  const size_t S = seg_pos.size(), NF = fmts.size() / 12;
-  TORCH_CHECK(parts.size() == 6 * S && seg_n.size() == S && seg_new.size() == S && seg_fmt.size() == S,
-              "bad segment lists");
+Segments read_segments(const KernelPlan& p, int D) {
+  const size_t NF = p.formats.size() / 12;
   Segments g;
-  g.segs.resize(S);
+  g.segs = plan_segments(p, D, g.Hkv);
   g.kperm.resize(NF);
   g.vperm.resize(NF);
   g.kcb.assign(NF, nullptr);
   g.vcb.assign(NF, nullptr);
-  for (size_t i = 0; i < S; ++i) {
-    TORCH_CHECK(seg_fmt[i] >= 0 && static_cast<size_t>(seg_fmt[i]) < NF, "bad segment format index");
-    Seg& s = g.segs[i];
-    Side* sides[2] = {&s.k, &s.v};
-    for (int w = 0; w < 2; ++w) {
-      const int64_t* fm = fmts.data() + 12 * seg_fmt[i] + 6 * w;
-      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
-      sides[w]->x = make_part(parts[6 * i + 3 * w]);
-      sides[w]->scale = make_part(parts[6 * i + 3 * w + 1]);
-      sides[w]->zero = make_part(parts[6 * i + 3 * w + 2]);
-      if (sides[w]->f.kind != CODEBOOK) continue;
-      const at::Tensor& tab = parts[6 * i + 3 * w + 2];
-      const Fmt& f = sides[w]->f;
-      TORCH_CHECK(tab.dim() == 4 && tab.scalar_type() == at::kFloat && tab.size(2) == D + 2 &&
-                  tab.size(3) >= std::max(D, 16) && tab.size(0) == 1 && tab.size(1) == 1,
-                  "codebook table must be float32 [1, 1, D + 2, max(D, 16)]");
-      TORCH_CHECK(f.bits >= 1 && f.bits <= 4 && cb_bits_lo(f) >= 1 && cb_bits_lo(f) <= 4 && cb_n_hi(f) % 8 == 0 &&
-                  (D - cb_n_hi(f)) % 8 == 0 && cb_group(f) >= 0, "bad codebook format");
-      (w == 0 ? g.kcb : g.vcb)[seg_fmt[i]] = sides[w];
-    }
-    s.pos = seg_pos[i];
-    s.n = seg_n[i];
-    s.is_new = seg_new[i] != 0;
-    g.Hkv = parts[6 * i].size(1);
-    if (g.kperm[seg_fmt[i]].chan.empty()) {  // once per format, not per segment (130 segments at 32k)
-      g.kperm[seg_fmt[i]] = field_perm(s.k.f, D);
-      g.vperm[seg_fmt[i]] = field_perm(s.v.f, D);
+  for (const Seg& s : g.segs) {
+    if (s.k.f.kind == CODEBOOK) g.kcb[s.fmt] = &s.k;
+    if (s.v.f.kind == CODEBOOK) g.vcb[s.fmt] = &s.v;
+    if (g.kperm[s.fmt].chan.empty()) {  // once per format, not per segment (130 segments at 32k)
+      g.kperm[s.fmt] = field_perm(s.k.f, D);
+      g.vperm[s.fmt] = field_perm(s.v.f, D);
     }
   }
   for (size_t f = 0; f < NF; ++f)
@@ -218,9 +254,9 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 4, "q must be contiguous float32");
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   const int D = static_cast<int>(q.size(3));
-  const size_t S = seg_pos.size();
   TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
-  const Segments g = read_segments(parts, seg_pos, seg_n, seg_new, seg_fmt, fmts, D);
+  const Segments g = read_segments(plan, D);
+  const size_t S = g.segs.size();
   const std::vector<Seg>& segs = g.segs;
   const int64_t Hkv = g.Hkv;
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
@@ -260,7 +296,7 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
       }
   }
 
-  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &seg_fmt, &kperm, &vperm, part.data(), mk,
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &kperm, &vperm, part.data(), mk,
          kv_offset, query_start, static_cast<float>(scaling)};
   at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(D, R, chunk);

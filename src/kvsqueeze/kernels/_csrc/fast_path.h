@@ -280,8 +280,11 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
   }
 }
 
-// acc (field-major) += sum_t p[r][t] * value_t for RB rows.
-template <int DT, int BITS, int RB>
+// acc (field-major) += sum_t p[r][t] * value_t for RB rows.  UNIFORM: every lane of a unit block lies in one
+// parameter group (G / per >= VW), known at compile time so the token loop holds nothing else: with both loops in
+// one body GCC kept one of the 12 accumulators (RB = 3, head_dim 64) on the stack, a store-to-load round trip per
+// token on the loop's critical path.
+template <int DT, int BITS, int RB, bool UNIFORM>
 void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
                  float* acc, int64_t acc_stride, const int* gsel, const float* A, const float* C) {
   using L = Layout<DT, BITS>;
@@ -292,10 +295,9 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
   const BlockGroups<DT, BITS> bg(BITS == 32 ? 0 : sd.f.group);
   // Codes of up to VW levels go through a lane permutation (vpermps ignores the index bits above log2(VW), so the
   // other fields of a byte need no mask): code -> float with no and/convert.  When every lane of a unit block is in
-  // one group (G / per >= VW) the permuted table is the dequantized levels a j + c themselves, built once per
-  // block and token, which also saves the multiply-add per field.
+  // one group the permuted table is the dequantized levels a j + c themselves, built once per block and token,
+  // which also saves the multiply-add per field.
   constexpr bool LUT = BITS < 8 && (1 << BITS) <= VW;
-  const bool uniform = BITS != 32 && sd.f.group / L::per >= VW;
   vf iota;
   for (int l = 0; l < VW; ++l) iota[l] = static_cast<float>(l & ((1 << (BITS < 8 ? BITS : 1)) - 1));
   for (int t = 0; t < n; ++t) {
@@ -309,29 +311,26 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
         const vf v = loadf(x + VW * i);
         for (int r = 0; r < RB; ++r) a[r][i] += pr[r] * v;
       }
+    } else if constexpr (LUT && UNIFORM) {  // the block's levels a j + c, permuted by the codes
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
+      for (int hb = 0; hb < L::UB; ++hb) {
+        const vi bytes = widen(x + VW * hb);
+        const vf levels = iota * splat(A[t * NG + bg.g[hb]]) + splat(C[t * NG + bg.g[hb]]);
+        for (int k = 0; k < L::per; ++k) {
+          const vf val = __builtin_shuffle(levels, k ? bytes >> (k * BITS) : bytes);
+          for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
+        }
+      }
     } else {  // INT_TOKEN values
       vf av[L::UB], cv[L::UB];
       token_affine<DT, BITS>(sd.f.group, A + t * NG, C + t * NG, gsel, bg, av, cv);
       const uint8_t* x = reinterpret_cast<const uint8_t*>(row);
       for (int hb = 0; hb < L::UB; ++hb) {
         const vi bytes = widen(x + VW * hb);
-        if constexpr (LUT) {
-          if (uniform) {
-            const vf levels = iota * av[hb] + cv[hb];
-            for (int k = 0; k < L::per; ++k) {
-              const vf val = __builtin_shuffle(levels, k ? bytes >> (k * BITS) : bytes);
-              for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
-            }
-            continue;
-          }
-          for (int k = 0; k < L::per; ++k) {
-            const vf val = __builtin_shuffle(iota, k ? bytes >> (k * BITS) : bytes) * av[hb] + cv[hb];
-            for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
-          }
-          continue;
-        }
         for (int k = 0; k < L::per; ++k) {
-          const vf val = field<BITS>(bytes, k) * av[hb] + cv[hb];
+          vf val;
+          if constexpr (LUT) val = __builtin_shuffle(iota, k ? bytes >> (k * BITS) : bytes) * av[hb] + cv[hb];
+          else val = field<BITS>(bytes, k) * av[hb] + cv[hb];
           for (int r = 0; r < RB; ++r) a[r][k * L::UB + hb] += pr[r] * val;
         }
       }
@@ -395,7 +394,7 @@ bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
   }
 }
 
-template <int DT, int BITS>
+template <int DT, int BITS, bool UNIFORM>
 void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
                  int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -403,12 +402,22 @@ void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     const float* pr = p + r0 * p_stride;
     float* ar = acc + r0 * acc_stride;
     switch (rb) {
-      case 1: fast_values<DT, BITS, 1>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      case 2: fast_values<DT, BITS, 2>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      case 3: fast_values<DT, BITS, 3>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      default: fast_values<DT, BITS, 4>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 1: fast_values<DT, BITS, 1, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 2: fast_values<DT, BITS, 2, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 3: fast_values<DT, BITS, 3, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      default: fast_values<DT, BITS, 4, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
     }
   }
+}
+
+// 2/4-bit codes: the uniform-groups variant where the side's groups allow it
+template <int DT, int BITS>
+void values_rows_lut(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                     int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
+  if (sd.f.group / Layout<DT, BITS>::per >= VW)
+    values_rows<DT, BITS, true>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp);
+  else
+    values_rows<DT, BITS, false>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp);
 }
 
 template <int DT>
@@ -417,10 +426,10 @@ bool try_fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
   const int bits = fast_bits<DT>(sd, false);
   if (bits && bits != 32) token_params(sd, b, h, t0, n, DT / sd.f.group, tp.A, tp.C);
   switch (bits) {
-    case 32: values_rows<DT, 32>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
-    case 2: values_rows<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
-    case 4: values_rows<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
-    case 8: values_rows<DT, 8>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 32: values_rows<DT, 32, false>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 2: values_rows_lut<DT, 2>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 4: values_rows_lut<DT, 4>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
+    case 8: values_rows<DT, 8, false>(sd, b, h, t0, n, p, p_stride, R, acc, acc_stride, gsel, tp); return true;
     default: return false;
   }
 }

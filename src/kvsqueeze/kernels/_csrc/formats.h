@@ -65,6 +65,7 @@ struct Side {  // how one of keys/values of a segment is stored
 struct Seg {
   Side k, v;
   int64_t pos = 0, n = 0;  // absolute position of the first token, token count
+  int64_t fmt = 0;         // index of its format in the plan's list (0: exact tokens, 1: the store's)
   bool is_new = false;
 };
 

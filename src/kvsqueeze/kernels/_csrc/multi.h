@@ -25,7 +25,6 @@ struct MultiCtx {
   int D;
   const float* qp;
   const std::vector<Seg>* segs;
-  const std::vector<int64_t>* seg_fmt;
   const std::vector<Perm>*kperm, *vperm;
   const std::vector<const Side*>*kcb, *vcb;  // per format: a side holding its codebook table, or null
   MaskView mask;
@@ -153,7 +152,7 @@ void run_tile(const MultiCtx& cx, int64_t w, MultiScratch& sc) {
   at::Tensor S = mat(sc.s.data(), R, KT, KT);
   for (size_t si = 0; si < cx.segs->size(); ++si) {
     const Seg& sg = (*cx.segs)[si];
-    const int64_t f = (*cx.seg_fmt)[si];
+    const int64_t f = sg.fmt;
     const Perm& kpm = (*cx.kperm)[f];
     const Perm& vpm = (*cx.vperm)[f];
     at::Tensor Q = mat(sc.q.data() + f * R * D, R, D, D);
@@ -227,9 +226,9 @@ at::Tensor attend_multi(const at::Tensor& q, const KernelPlan& plan, int64_t q_t
   TORCH_CHECK(q_tile > 0 && k_tile > 0, "tiles must be positive");
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   const int D = static_cast<int>(q.size(3));
-  const size_t S = seg_pos.size(), NF = fmts.size() / 12;
   TORCH_CHECK(D <= 512, "head_dim up to 512 is supported");
-  const Segments g = read_segments(parts, seg_pos, seg_n, seg_new, seg_fmt, fmts, D);
+  const Segments g = read_segments(plan, D);
+  const size_t S = g.segs.size(), NF = plan.formats.size() / 12;
   const int64_t Hkv = g.Hkv;
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads must be a multiple of kv heads");
   auto out = at::zeros({B, Hq, Lq, D}, q.options());
@@ -238,7 +237,7 @@ at::Tensor attend_multi(const at::Tensor& q, const KernelPlan& plan, int64_t q_t
   const MaskView mk = read_mask(mask, mask_held);
   const int64_t QT = std::min(q_tile, Lq), NT = (Lq + QT - 1) / QT;
   MultiCtx cx{B, Hq, Lq, Hkv, Hq / Hkv, QT, k_tile, NT, static_cast<int64_t>(NF), D, q.data_ptr<float>(), &g.segs,
-              &seg_fmt, &g.kperm, &g.vperm, &g.kcb, &g.vcb, mk, kv_offset, query_start, static_cast<float>(scaling), out.data_ptr<float>()};
+              &g.kperm, &g.vperm, &g.kcb, &g.vcb, mk, kv_offset, query_start, static_cast<float>(scaling), out.data_ptr<float>()};
   at::parallel_for(0, B * Hkv * NT, 1, [&](int64_t lo, int64_t hi) {
     SerialBlas serial;
     MultiScratch sc(cx);

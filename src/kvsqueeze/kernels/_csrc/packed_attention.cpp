@@ -9,12 +9,12 @@
 // once (q R), a token's score is norm * sum_i q'_i cb[code_i] (a 2-16 entry table), values accumulate in the
 // rotated space and the merged output is rotated back once (o = o' R^T).
 //
-// Files: plan.h (the KernelPlan both entry points take), formats.h (tensor views, formats, parameters, generic
-// dequantization), simd_generic.h / simd_avx2.h (helpers per instruction set), codebook.h (rotated codebooks),
-// fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in registers), int_scores.h
-// (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h (the decode entry point), multi.h (the multi-query
-// entry point); this file: includes and bindings.  Each instruction-set path is its own build (kernels/cpu.py),
-// so the same sources compile with or without each feature.
+// Files: formats.h (tensor views, formats, parameters, generic dequantization), plan.h (the KernelPlan both entry
+// points take, and the StoredRun it may reuse), simd_generic.h / simd_avx2.h (helpers per instruction set),
+// codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in
+// registers), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h (the decode entry point),
+// multi.h (the multi-query entry point); this file: includes and bindings.  Each instruction-set path is its own
+// build (kernels/cpu.py), // so the same sources compile with or without each feature.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,8 +35,8 @@
 #include <utility>
 #include <vector>
 
-#include "plan.h"
 #include "formats.h"
+#include "plan.h"
 #include "simd_generic.h"
 #include "simd_avx2.h"
 #include "codebook.h"
@@ -60,7 +60,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("kv_offset", &KernelPlan::kv_offset)
       .def_readwrite("query_start", &KernelPlan::query_start)
       .def_readwrite("scaling", &KernelPlan::scaling)
-      .def("insert_head", &insert_head, "put a cached plan's segments before segment `at` of this one");
+      .def_readwrite("head", &KernelPlan::head)
+      .def_readwrite("head_at", &KernelPlan::head_at);
+  pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local())
+      .def_property_readonly("n_segments", [](const StoredRun& r) { return r.segs.size(); });
+  m.def("read_run", &read_run, "read a plan's segments once into a StoredRun that later plans put in front");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
 }

@@ -1,6 +1,17 @@
 // The plan both entry points take: one struct, mirrored field for field by kernels/cpu.py's KernelPlan.
 #pragma once
 
+// A layer's run of stored blocks read once into tensor views (decode.h read_run) and reused from step to step:
+// kernels/cpu.py keeps one per layer between two flushes.  Reading 6 tensors per block at every step touched ~200
+// tensor headers per layer that the model's weights had evicted from the caches (~1 ms of a SmolLM2 decode step at
+// 8k tokens).  The tensors are held, so the views stay valid while the run lives.
+struct StoredRun {
+  std::vector<at::Tensor> parts;  // 6 per segment, as in KernelPlan
+  std::vector<Seg> segs;          // their views, formats and positions
+  std::vector<int64_t> formats;   // the format list they were read with (a plan using the run must have the same)
+  int64_t Hkv = 0;
+};
+
 struct KernelPlan {
   std::vector<at::Tensor> parts;  // 6 per segment: keys (x, scale, zero), values (x, scale, zero); empty where absent
   std::vector<int64_t> positions;     // per segment: absolute position of its first token
@@ -12,28 +23,12 @@ struct KernelPlan {
   int64_t kv_offset = 0;              // absolute position of mask column 0
   int64_t query_start = 0;            // absolute position of the first query
   double scaling = 1.0;
+  std::shared_ptr<StoredRun> head;  // stored segments that go before segment head_at, or null
+  int64_t head_at = 0;
 };
-
-// A run of segments flattened once and reused from step to step (kernels/cpu.py caches a layer's stored blocks
-// between two flushes: converting 6 tensors per block from Python lists cost ~0.1 ms per layer at 32k tokens) goes
-// in front of segment `at` of a step's own segments; the tensors are shared, not copied.
-inline void insert_head(KernelPlan& self, const KernelPlan& head, int64_t at) {
-  const size_t n = self.positions.size();
-  TORCH_CHECK(at >= 0 && static_cast<size_t>(at) <= n && self.parts.size() == 6 * n &&
-                  head.parts.size() == 6 * head.positions.size(), "insert_head: segment index out of range");
-  auto put = [at](auto& dst, const auto& src, int64_t per) { dst.insert(dst.begin() + at * per, src.begin(), src.end()); };
-  put(self.parts, head.parts, 6);
-  put(self.positions, head.positions, 1);
-  put(self.lengths, head.lengths, 1);
-  put(self.is_new, head.is_new, 1);
-  put(self.format_index, head.format_index, 1);
-}
 
 // The plan's fields under the names the entry points use
 #define KVSQ_UNPACK_PLAN(p)                                                                             \
-  const std::vector<at::Tensor>& parts = (p).parts;                                                     \
-  const std::vector<int64_t>&seg_pos = (p).positions, &seg_n = (p).lengths, &seg_new = (p).is_new,      \
-                           &seg_fmt = (p).format_index, &fmts = (p).formats;                            \
   const at::Tensor& mask = (p).mask;                                                                    \
   const int64_t kv_offset = (p).kv_offset, query_start = (p).query_start;                               \
   const double scaling = (p).scaling;
