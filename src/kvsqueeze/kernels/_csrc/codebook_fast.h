@@ -305,17 +305,15 @@ void cb_groups(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, f
   }
 }
 
-// Hook for run_item: scores of R query rows (qs: field-major order chan, already scaled) against a CODEBOOK side.
-// qn: R * DT floats of scratch, sc: n + VW floats.
+// Hook for run_item: scores of R query rows (qn: rotated, scaled, natural order) against a CODEBOOK side.
+// sc: n + VW floats of scratch.
 template <int DT>
-bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
-                   int64_t s_stride, const int* chan, float* qn, float* sc) {
+bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qn, int64_t R, float* s,
+                   int64_t s_stride, float* sc) {
   if (sd.f.kind != CODEBOOK || DT % VW) return false;
   const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
   if (!cr) return false;
   const CbTables tb(sd, std::integral_constant<int, DT>{});
-  for (int64_t r = 0; r < R; ++r)
-    for (int j = 0; j < DT; ++j) qn[r * DT + chan[j]] = qs[r * DT + j];
   std::fill(sc + n, sc + n + VW, 0.f);
   cb_scales(sd, b, h, t0, n, DT, sc);
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
@@ -340,12 +338,12 @@ bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, cons
   return true;
 }
 
-// Hook for run_item: acc (field-major order chan, stride acc_stride) += sum_t p_t value_t in the rotated space.
+// Hook for run_item: acc (natural order, stride acc_stride) += sum_t p_t value_t in the rotated space.
 // an: R * DT floats of scratch, sc: n + VW floats.
 // p is multiplied by the tokens' scales in place.
 template <int DT>
 bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, float* p, int64_t p_stride,
-                   int64_t R, float* acc, int64_t acc_stride, const int* chan, float* an, float* sc) {
+                   int64_t R, float* acc, int64_t acc_stride, float* an, float* sc) {
   if (sd.f.kind != CODEBOOK || DT % VW) return false;
   const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
   if (!cr) return false;
@@ -379,20 +377,19 @@ bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, floa
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int j = 0; j < DT; ++j) acc[r * acc_stride + j] += an[r * DT + chan[j]];
+    for (int j = 0; j < DT; ++j) acc[r * acc_stride + j] += an[r * DT + j];
   return true;
 }
 
 #else  // builds without AVX2 keep the tiled path
 
 template <int DT>
-bool try_cb_scores(const Side&, int64_t, int64_t, int64_t, int, const float*, int64_t, float*, int64_t, const int*,
-                   float*, float*) {
+bool try_cb_scores(const Side&, int64_t, int64_t, int64_t, int, const float*, int64_t, float*, int64_t, float*) {
   return false;
 }
 template <int DT>
-bool try_cb_values(const Side&, int64_t, int64_t, int64_t, int, float*, int64_t, int64_t, float*, int64_t,
-                   const int*, float*, float*) {
+bool try_cb_values(const Side&, int64_t, int64_t, int64_t, int, float*, int64_t, int64_t, float*, int64_t, float*,
+                   float*) {
   return false;
 }
 

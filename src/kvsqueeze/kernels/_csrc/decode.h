@@ -7,8 +7,9 @@ struct Ctx {
   int64_t B, Hq, Lq;
   int D;
   int64_t Hkv, rep, R, NI, W, chunk;
-  const float* qp;
-  const float* qrot;  // queries rotated by the keys' codebook rotation (q R), or null
+  const float* qprep;  // [B * Hkv, NF, R, D]: a head's query rows per format, scaled, in its keys' field-major order
+  const float* qnat;   // [B * Hkv, R, D]: rotated-codebook keys' query rows (q R), scaled, in natural order
+  int64_t NF;
   const std::vector<Seg>* segs;
   const std::vector<Item>* items;
   const std::vector<Perm>*kperm, *vperm;
@@ -19,9 +20,9 @@ struct Ctx {
 };
 
 struct Scratch {
-  std::vector<float> kbuf, vbuf, tmp, qs, qa, qc, s, accp, pa, pc;
+  std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc;
   Scratch(int D, int64_t R, int64_t chunk)
-      : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qs(R * D), qa(R * D), qc(R), s(R * chunk), accp(D),
+      : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
         pa(chunk * 16 + 16), pc(chunk * 16 + 16) {}
 };
 
@@ -37,7 +38,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   const Perm& kpm = (*cx.kperm)[sg.fmt];
   const Perm& vpm = (*cx.vperm)[sg.fmt];
   float* pw = cx.part + w * R * W;
-  float* qs = sc.qs.data();
+  const float* qs = cx.qprep + (bh * cx.NF + sg.fmt) * R * D;
   float* s = sc.s.data();
   const TokenParams tp{sc.pa.data(), sc.pc.data()};
   // Packed items are short streams (kivi-4: 8 KiB of key codes, 8 KiB of values, 4 KiB of parameters per 256 tokens)
@@ -50,12 +51,6 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     prefetch_rows(sg.v.x, b, h, it.t0, n);
     if (sg.v.f.kind == INT_TOKEN) prefetch_rows(sg.v.scale, b, h, it.t0, n);
   }
-  // queries of this kv head, pre-scaled, in the keys' field-major order
-  for (int64_t r = 0; r < R; ++r) {
-    const float* qsrc = sg.k.f.kind == CODEBOOK ? cx.qrot : cx.qp;
-    const float* src = qsrc + ((b * cx.Hq + h * cx.rep + r / Lq) * Lq + r % Lq) * D;
-    for (int j = 0; j < D; ++j) qs[r * D + j] = src[kpm.chan[j]] * cx.scaling;
-  }
   // scores: integer dot products where the build and the key format allow, else the float fast path, else generic
   bool fast_k = false;
 #if defined(KVSQ_INT_DOT)
@@ -63,7 +58,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
 #endif
   if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (!fast_k && DT > 0)  // rotated codebook keys: levels in registers (codebook_fast.h)
-    fast_k = try_cb_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.chan.data(), sc.qa.data(), tp.A);
+    fast_k = try_cb_scores<DT>(sg.k, b, h, it.t0, n, cx.qnat + bh * R * D, R, s, chunk, tp.A);
   if (fast_k) {
   } else if (sg.k.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
@@ -129,15 +124,17 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   // weighted values
   const bool fast_v =
       DT > 0 && (try_fast_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.unit_group.data(), tp) ||
-                 try_cb_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, vpm.chan.data(), sc.qa.data(), tp.A));
+                 try_cb_values<DT>(sg.v, b, h, it.t0, n, s, chunk, R, pw + 2, W, sc.qa.data(), tp.A));
   for (int t0 = 0; t0 < (fast_v ? 0 : n); t0 += TILE) {
     const int nt = std::min(TILE, n - t0);
     int64_t vs;
     const float* vp = decode_rows<DT>(sg.v, b, h, it.t0 + t0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
     for (int64_t r = 0; r < R; ++r) axpy_rows<DT>(pw + r * W + 2, s + r * chunk + t0, vp, vs, nt, D);
   }
-  // back to natural channel order
-  for (int64_t r = 0; r < R; ++r) {
+  // Partials stay in the values' field-major order (the merge puts each format's sum back in natural order once per
+  // row, not once per item); rotated codebook values are merged in the rotated space in natural order, which the
+  // fast path gives and the tiled one is put back into here.
+  for (int64_t r = 0; r < (sg.v.f.kind == CODEBOOK && !fast_v ? R : 0); ++r) {
     float* acc = pw + r * W + 2;
     std::copy(acc, acc + D, sc.accp.data());
     for (int j = 0; j < D; ++j) acc[vpm.chan[j]] = sc.accp[j];
@@ -282,7 +279,6 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
   const std::vector<Perm>& kperm = g.kperm;
   const std::vector<Perm>& vperm = g.vperm;
   const Side* kcb = any_side(g.kcb);
-  const Side* vcb = any_side(g.vcb);
   std::vector<float> qrot;
   if (kcb) {  // q' = q R, one D x D product per query row
     qrot.assign(static_cast<size_t>(B * Hq * Lq * D), 0.f);
@@ -296,8 +292,24 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
       }
   }
 
-  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qp, qrot.data(), &segs, &items, &kperm, &vperm, part.data(), mk,
-         kv_offset, query_start, static_cast<float>(scaling)};
+  // every item of a head reads the same query rows: prepared once per (batch, kv head, format), not per item
+  const int64_t NF = static_cast<int64_t>(kperm.size());
+  std::vector<float> qprep(static_cast<size_t>(B * Hkv * NF * R * D));
+  std::vector<float> qnat(kcb ? static_cast<size_t>(B * Hkv * R * D) : 0);
+  for (int64_t bh = 0; bh < B * Hkv; ++bh)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = (((bh / Hkv) * Hq + (bh % Hkv) * rep + r / Lq) * Lq + r % Lq) * D;
+      for (int64_t f = 0; f < NF; ++f) {
+        const float* src = (g.kcb[f] ? qrot.data() : qp) + row;
+        float* dst = qprep.data() + ((bh * NF + f) * R + r) * D;
+        for (int j = 0; j < D; ++j) dst[j] = src[kperm[f].chan[j]] * static_cast<float>(scaling);
+      }
+      if (kcb)
+        for (int j = 0; j < D; ++j) qnat[(bh * R + r) * D + j] = qrot[row + j] * static_cast<float>(scaling);
+    }
+
+  Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qprep.data(), qnat.data(), NF, &segs, &items, &kperm, &vperm,
+         part.data(), mk, kv_offset, query_start, static_cast<float>(scaling)};
   at::parallel_for(0, B * Hkv * NI, 1, [&](int64_t lo, int64_t hi) {
     Scratch sc(D, R, chunk);
     for (int64_t w = lo; w < hi; ++w) {
@@ -308,9 +320,11 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
     }
   });
 
-  // exact log-sum-exp merge of the chunk partials
+  // exact log-sum-exp merge of the chunk partials, summed per format (in its order) and put in natural order once
   float* op = out.data_ptr<float>();
   at::parallel_for(0, B * Hkv * R, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> sums(static_cast<size_t>(NF * D));
+    std::vector<char> used(NF);
     for (int64_t x = lo; x < hi; ++x) {
       const int64_t bh = x / R, r = x % R, b = bh / Hkv, h = bh % Hkv;
       float M = NEG_INF;
@@ -318,23 +332,33 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
       float* o = op + ((b * Hq + h * rep + r / Lq) * Lq + r % Lq) * D;
       if (std::isinf(M) && M < 0) continue;  // fully masked row -> zeros
       float L = 0.f;
-      float orot[512];  // rotated codebook values: their partials are merged in the rotated space
-      if (vcb) std::fill(orot, orot + D, 0.f);
+      std::fill(sums.begin(), sums.end(), 0.f);
+      std::fill(used.begin(), used.end(), 0);
       for (int64_t i = 0; i < NI; ++i) {
         const float* pr = part.data() + ((bh * NI + i) * R + r) * W;
         if (pr[1] == 0.f) continue;
         const float c = std::exp(pr[0] - M);
         L += c * pr[1];
-        float* dst = segs[items[i].seg].v.f.kind == CODEBOOK ? orot : o;
+        const int64_t f = segs[items[i].seg].fmt;
+        used[f] = 1;
+        float* dst = sums.data() + f * D;
         for (int j = 0; j < D; ++j) dst[j] += c * pr[2 + j];
       }
-      if (vcb)  // o += o' R^T, once per output row
-        for (int j = 0; j < D; ++j) {
-          const float* Rj = table_row(*vcb, j);
-          float acc = 0.f;
-          for (int i = 0; i < D; ++i) acc += orot[i] * Rj[i];
-          o[j] += acc;
+      for (int64_t f = 0; f < NF; ++f) {
+        if (!used[f]) continue;
+        const float* sf = sums.data() + f * D;
+        if (g.vcb[f]) {  // rotated codebook values: o += o' R^T
+          for (int j = 0; j < D; ++j) {
+            const float* Rj = table_row(*g.vcb[f], j);
+            float acc = 0.f;
+            for (int i = 0; i < D; ++i) acc += sf[i] * Rj[i];
+            o[j] += acc;
+          }
+        } else {
+          const int* chan = vperm[f].chan.data();
+          for (int j = 0; j < D; ++j) o[chan[j]] += sf[j];
         }
+      }
       const float inv = 1.f / std::max(L, 1e-30f);
       for (int j = 0; j < D; ++j) o[j] *= inv;
     }
