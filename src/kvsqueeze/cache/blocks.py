@@ -43,7 +43,7 @@ class BlockStore:
         self.blocks: list[_Block] = []
         self.end = 0  # tokens ever appended (minus truncations)
         self.begin = 0  # first token still stored (whole blocks are evicted for sliding-window layers)
-        # segments() of the blocks as they are: (base, segments, memo), until anything changes them
+        # segments() of the full blocks: (base, segments, memo), until anything but a flush changes them
         self._run: tuple[int, tuple[Segment, ...], Memo] | None = None
 
     @property
@@ -95,7 +95,6 @@ class BlockStore:
             new_blocks.append(self._new_block(pos + free + len(new_blocks) * self.block_tokens))
             need -= self.block_tokens
         self.blocks.extend(new_blocks)
-        self._run = None
         written = 0
         for blk in self.blocks:
             if blk.used == self.block_tokens or blk.start + blk.used != self.end + written:
@@ -127,24 +126,26 @@ class BlockStore:
 
         return decode
 
-    def segments(self, base: int) -> tuple[tuple[Segment, ...], Memo]:
+    def _segment(self, blk: _Block, base: int) -> Segment:
+        key = (base, blk.used, id(blk.parts))
+        if blk.segment_key != key:
+            kp, vp = self._sides(blk, valid=False)
+            blk.segment = Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
+                                  decode=self._decoder(blk, base))
+            blk.segment_key = key
+        return blk.segment
+
+    def segments(self, base: int) -> tuple[tuple[Segment, ...], Memo, tuple[Segment, ...]]:
         """One stored segment per block in use, with its parts as stored and a decoder (absolute position of store
-        index 0: ``base``), and a memo for what kernels derive from them.  While no block changes, the same tuple
-        and memo are returned: a decode step between two flushes stores nothing new."""
-        if self._run is not None and self._run[0] == base:
-            return self._run[1], self._run[2]
-        out = []
-        for blk in self.blocks:
-            if blk.used:
-                key = (base, blk.used, id(blk.parts))
-                if blk.segment_key != key:
-                    kp, vp = self._sides(blk, valid=False)
-                    blk.segment = Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
-                                          decode=self._decoder(blk, base))
-                    blk.segment_key = key
-                out.append(blk.segment)
-        self._run = (base, tuple(out), Memo())
-        return self._run[1], self._run[2]
+        index 0: ``base``): (the full blocks' segments, a memo for what kernels derive from them, the last block's
+        segment while it is partly filled).  While the full blocks are unchanged, the same tuple and memo are
+        returned: between two flushes a decode step stores nothing new, and a flush only adds to the last block."""
+        # every block but the last is full (appends fill them in order; crops keep a prefix)
+        n_full = len(self.blocks) - (1 if self.blocks and self.blocks[-1].used < self.block_tokens else 0)
+        if self._run is None or self._run[0] != base or len(self._run[1]) != n_full:
+            self._run = (base, tuple(self._segment(blk, base) for blk in self.blocks[:n_full]), Memo())
+        tail = tuple(self._segment(blk, base) for blk in self.blocks[n_full:] if blk.used)
+        return self._run[1], self._run[2], tail
 
     def chunks(self, base: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield (first token index, keys, values) per block, decoded to float32; one block alive at a time."""

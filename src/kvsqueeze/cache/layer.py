@@ -285,7 +285,8 @@ class LayerKV:
             before = (Segment(EXACT, 0, self.sink_k.shape[2], k=self.sink_k, v=self.sink_v),)
         store = self.store
         if store is not None:
-            stored, memo = store.segments(self.n_sinks)
+            stored, memo, partial = store.segments(self.n_sinks)
+            after.extend(partial)
             if self.window.length:
                 wk, wv = self.window.view()
                 after.append(Segment(EXACT, self.n_sinks + store.end, self.window.length, k=wk, v=wv))

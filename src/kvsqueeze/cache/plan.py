@@ -61,10 +61,10 @@ class Segment:
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """Everything one layer's attention step reads: ``segments`` = ``before`` (sinks) + ``stored`` (the packed
-    blocks) + ``after`` (the window, the step's new tokens).
+    """Everything one layer's attention step reads: ``segments`` = ``before`` (sinks) + ``stored`` (the packed full
+    blocks) + ``after`` (a packed block still filling, the window, the step's new tokens).
 
-    stored: the store hands over the same tuple, with the same ``stored_memo``, for as long as its blocks are
+    stored: the store hands over the same tuple, with the same ``stored_memo``, for as long as its full blocks are
     unchanged, so a kernel keeps what it derives from them there (a decode step then costs the same whatever the
     number of blocks).  key_format / value_format: how stored segments are stored.  key_shared / value_shared:
     tensors shared by every stored token of a side (fp8 per-head / per-tensor scales), by name.  first_visible:
