@@ -132,6 +132,37 @@ struct IntQuery {
 
   static float round_even(float x) { return (x + 12582912.f) - 12582912.f; }  // |x| < 2^22
 
+#if defined(__AVX512F__)
+  // Row r's two int8 parts built in registers: X = round(256 q / sq') (|X| <= 127 * 256), hi = round(X / 256) and
+  // lo = X - 256 hi in [-128, 127], the same bound as rounding q / sq' and then its remainder in 1/256ths.  The
+  // bytes go to each vector as 16-byte pieces (field runs are multiples of 16 bytes); the scalar build below wrote
+  // the parts to the stack 16 bytes at a time and read them back as 32-byte runs, a failed store-to-load forward
+  // per run, and this re-quantization runs once per 32-token key group.
+  void set_parts_avx512(int r, const float* q, float inv) {
+    constexpr int NP = DT / 16;
+    __m128i hi[NP], lo[NP];
+    const __m512 s256 = _mm512_set1_ps(inv * 256.f);
+    for (int p = 0; p < NP; ++p) {
+      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + 16 * p), s256));
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(128)), 8);
+      hi[p] = _mm512_cvtepi32_epi8(h);
+      lo[p] = _mm512_cvtepi32_epi8(_mm512_sub_epi32(x, _mm512_slli_epi32(h, 8)));
+    }
+    for (int k = 0; k < L::per; ++k)
+      for (int c = 0; c < L::VPT; ++c) {
+        // vector c of field k: position k U + (64 c + j) mod U at byte j, 16 bytes (one piece) at a time
+        auto at = [&](int i) { return (k * U + (64 * c + 16 * i) % U) / 16; };
+        auto join = [&](const __m128i* x) {
+          const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(x[at(0)]), x[at(1)], 1);
+          const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(x[at(2)]), x[at(3)], 1);
+          return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+        };
+        _mm512_store_si512(q8[r][0][k][c], join(hi));
+        _mm512_store_si512(q8[r][1][k][c], join(lo));
+      }
+  }
+#endif
+
   void set(const float* qe) {
     constexpr float QMAX8 = 127.f;
     // int32 lane sums must not overflow: DT codes of 255 times the largest int16 query value
@@ -147,6 +178,10 @@ struct IntQuery {
       if constexpr (L::S16) {
 #pragma omp simd
         for (int c = 0; c < DT; ++c) q16[r][c] = static_cast<int16_t>(round_even(q[c] * inv));
+#if defined(__AVX512F__)
+      } else if constexpr (IB == 64 && U % 16 == 0) {
+        set_parts_avx512(r, q, inv);
+#endif
       } else {
         alignas(64) int32_t h32[DT], l32[DT];
         alignas(64) int8_t hi[DT], lo[DT];
