@@ -132,6 +132,7 @@ def test_stored_run_reused_between_flushes_and_rebuilt_after_edits(spec):
     ext = cpu.load_extension()
     assert run.native(ext, 64) is run.native(ext, 64)  # read by the kernel once
     clone = copy.deepcopy(layer)  # the run holds native objects: a copy starts without it
+    layer.map_batch(lambda t: t.flip(0))  # and reads its own blocks, not the original's
     clone.stage(torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g))
     assert_matches_reference(cpu.attend, clone, 4, 1)
 

@@ -46,6 +46,10 @@ class BlockStore:
         # segments() of the full blocks: (base, segments, memo), until anything but a flush changes them
         self._run: tuple[int, tuple[Segment, ...], Memo] | None = None
 
+    def __getstate__(self) -> dict:
+        # a copied (deepcopy / pickle) store rebuilds its segments: the cached ones decode this store's blocks
+        return {**self.__dict__, "_run": None}
+
     @property
     def n_tokens(self) -> int:
         return self.end - self.begin
