@@ -14,7 +14,7 @@
 // codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in
 // registers), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h (the decode entry point),
 // multi.h (the multi-query entry point); this file: includes and bindings.  Each instruction-set path is its own
-// build (kernels/cpu.py), // so the same sources compile with or without each feature.
+// build (kernels/cpu.py), so the same sources compile with or without each feature.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -62,8 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scaling", &KernelPlan::scaling)
       .def_readwrite("head", &KernelPlan::head)
       .def_readwrite("head_at", &KernelPlan::head_at);
-  pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local())
-      .def_property_readonly("n_segments", [](const StoredRun& r) { return r.segs.size(); });
+  pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local());
   m.def("read_run", &read_run, "read a plan's segments once into a StoredRun that later plans put in front");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");

@@ -2,7 +2,7 @@
 #pragma once
 
 // A layer's run of stored blocks read once into tensor views (decode.h read_run) and reused from step to step:
-// kernels/cpu.py keeps one per layer between two flushes.  Reading 6 tensors per block at every step touched ~200
+// kernels/cpu.py keeps one per layer until a block fills.  Reading 6 tensors per block at every step touched ~200
 // tensor headers per layer that the model's weights had evicted from the caches (~1 ms of a SmolLM2 decode step at
 // 8k tokens).  The tensors are held, so the views stay valid while the run lives.
 struct StoredRun {
