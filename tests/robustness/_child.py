@@ -173,6 +173,9 @@ def _warm_up(model_dir: str) -> None:
 
 
 def main() -> None:
+    # Ctrl-C as a terminal user meets it: a test run started in the background (``cmd &`` in a script) inherits
+    # SIGINT ignored, and the Ctrl-C steps then ran to completion instead of being interrupted
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     plan = json.loads(Path(sys.argv[1]).read_text())
     if os.environ.get("KVSQUEEZE_TEST_TINY_MODEL"):
         _warm_up(os.environ["KVSQUEEZE_TEST_TINY_MODEL"])
