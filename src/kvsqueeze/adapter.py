@@ -45,6 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .cache.accounting import ByteTotals
+from .cache.arena import BlockArena
 from .cache.layer import LayerKV, StepTracker
 from .errors import CacheEditError
 from .heap import release_freed_memory
@@ -315,9 +316,11 @@ class _HFLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, spec: CacheSpec, sliding_window: int | None, backend: str, step: StepTracker):
+    def __init__(self, spec: CacheSpec, sliding_window: int | None, backend: str, step: StepTracker,
+                 arena: BlockArena):
         super().__init__()
         self.spec, self.sliding_window, self.backend, self.step = spec, sliding_window, backend, step
+        self.arena = arena
         self.is_sliding = sliding_window is not None
         self.end_of_step: Callable[[], None] | None = None  # set on the last layer by QuantizedCache
         self.kv = self._new_kv()
@@ -326,6 +329,7 @@ class _HFLayer(CacheLayerMixin):
         kv = LayerKV(self.spec, self.sliding_window)
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
         kv.fast_encode = fast_encoder
+        kv.arena = self.arena
         kv.step = self.step
         kv.end_of_step = self.end_of_step
         return kv
@@ -432,6 +436,7 @@ class QuantizedCache(Cache):
             check_overrides(spec, layout)  # artifact of another model: ValueError before allocation
         self.spec, self.layout, self._config = spec, layout, config
         step = StepTracker(lambda: [layer.kv for layer in self.layers])
+        arena = BlockArena()  # the layers' CPU blocks, side by side in huge pages (cache/arena.py)
         layers = []
         for i, t in enumerate(layout.layer_types):
             if spec.layer_overrides is not None and (t != "sliding_attention" or spec.quantize_sliding):
@@ -439,7 +444,7 @@ class QuantizedCache(Cache):
                 sliding = t == "sliding_attention"  # calibrated within its window, without sinks
                 lspec = dataclasses.replace(spec, key=k_spec, value=v_spec, layer_overrides=None,
                                             sinks=0 if sliding else spec.sinks)
-                layers.append(_HFLayer(lspec, layout.sliding_window if sliding else None, backend, step))
+                layers.append(_HFLayer(lspec, layout.sliding_window if sliding else None, backend, step, arena))
                 continue
             if t == "sliding_attention":
                 lspec = spec if spec.quantize_sliding else CacheSpec(name="full", block_tokens=spec.block_tokens)
@@ -447,9 +452,9 @@ class QuantizedCache(Cache):
                 if lspec.sinks:
                     lspec = CacheSpec(key=lspec.key, value=lspec.value, window=lspec.window, sinks=0,
                                       quantize_sliding=True, block_tokens=lspec.block_tokens, name=lspec.name)
-                layers.append(_HFLayer(lspec, layout.sliding_window, backend, step))
+                layers.append(_HFLayer(lspec, layout.sliding_window, backend, step, arena))
             else:
-                layers.append(_HFLayer(spec, None, backend, step))
+                layers.append(_HFLayer(spec, None, backend, step, arena))
         super().__init__(layers=layers)
         register()
         self._route_configs = _configs(config)

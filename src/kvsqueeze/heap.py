@@ -1,4 +1,5 @@
-"""Handing freed memory back to the operating system, and how much of the heap is really in use.
+"""Handing freed memory back to the operating system, how much of the heap is really in use, and asking for huge
+pages (:func:`advise_huge_pages`, for the cache's block arena).
 
 glibc keeps freed heap memory mapped (and raises its mmap threshold as large buffers are freed, so later ones come
 from the heap too): after a forward pass over a long chunk, the activations' pages stay in the process's resident
@@ -12,6 +13,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import mmap
+
+import torch
 
 _libc = None
 _checked = False
@@ -55,3 +59,23 @@ def heap_in_use() -> int | None:
     fn.restype = _MallInfo2
     info = fn()
     return info.uordblks + info.hblkhd
+
+
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """Ask Linux to back the 2 MiB-aligned whole pages inside ``t``'s memory with transparent huge pages
+    (``madvise(MADV_HUGEPAGE)``; the THP mode ``madvise``, common on servers, uses them only where asked).  Returns
+    the bytes advised: 0 where there is no such page, no ``madvise`` (not Linux) or the call fails."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    lib = _glibc()
+    if advice is None or lib is None or not hasattr(lib, "madvise"):
+        return 0
+    start = t.data_ptr()
+    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
+    hi = (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if hi <= lo:
+        return 0
+    lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return hi - lo if lib.madvise(lo, hi - lo, advice) == 0 else 0

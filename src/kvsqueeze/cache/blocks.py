@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from ..quant.format import StorageFormat
+from .arena import BlockArena
 from .codecs import Codec
 from .plan import STORED, Memo, Segment
 
 # an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline
 FastEncoder = Callable[[StorageFormat, torch.Tensor], "dict[str, torch.Tensor] | None"]
+
+SPARE_BLOCKS = 2  # dropped blocks a store keeps for its next ones (a crop or an eviction drops one at a time)
 
 
 @dataclass
@@ -39,6 +42,10 @@ class BlockStore:
         self.codecs = {"k": key_codec, "v": value_codec}
         self.shared: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
         self.fast_encode: FastEncoder | None = None  # set by the adapter where a faster encoder exists
+        self.arena: BlockArena | None = None  # where CPU blocks come from (set by the adapter; else torch.empty)
+        # blocks dropped by truncate / evict_before, reused by the next new blocks: blocks carved from an arena
+        # shared by every layer would otherwise leave holes in slabs that the other layers' blocks keep alive
+        self._spare: list[_Block] = []
         self.batch, self.heads, self.block_tokens, self.device = batch, heads, block_tokens, device
         self.blocks: list[_Block] = []
         self.end = 0  # tokens ever appended (minus truncations)
@@ -60,11 +67,18 @@ class BlockStore:
                 yield f"{side}.{name}", lay
 
     def _new_block(self, start: int) -> _Block:
+        if self._spare:
+            return _Block(start, self._spare.pop().parts)
+        arena = self.arena if self.device.type == "cpu" else None
         parts = {}
         for key, lay in self._layouts():
-            rows = self.block_tokens // lay.tokens_per_row
-            parts[key] = torch.empty((self.batch, self.heads, rows, *lay.tail), dtype=lay.dtype, device=self.device)
+            shape = (self.batch, self.heads, self.block_tokens // lay.tokens_per_row, *lay.tail)
+            parts[key] = (arena.empty(shape, lay.dtype) if arena is not None
+                          else torch.empty(shape, dtype=lay.dtype, device=self.device))
         return _Block(start, parts)
+
+    def _drop(self, dropped: list[_Block]) -> None:
+        self._spare = (self._spare + dropped)[-SPARE_BLOCKS:]
 
     def _encode(self, side: str, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
         codec = self.codecs[side]
@@ -180,17 +194,21 @@ class BlockStore:
         for blk, n in zip(blocks, used):
             blk.used = n
         self.blocks, self.shared = list(blocks), {side: dict(d) for side, d in shared.items()}
+        live = {id(blk) for blk in self.blocks}  # a block evicted since the checkpoint is stored again
+        self._spare = [blk for blk in self._spare if id(blk) not in live]
 
     def truncate(self, n_end: int) -> None:
         """Forget tokens from store index ``n_end`` on (must fall on a token-group boundary)."""
         self._run = None
-        keep = []
+        keep, dropped = [], []
         for blk in self.blocks:
             if blk.start >= n_end:
+                dropped.append(blk)
                 continue
             blk.used = min(blk.used, n_end - blk.start)
             keep.append(blk)
         self.blocks = keep
+        self._drop(dropped)
         self.end = max(min(self.end, n_end), self.begin)
 
     def evict_before(self, index: int) -> None:
@@ -198,13 +216,14 @@ class BlockStore:
         self._run = None
         while self.blocks and self.blocks[0].used == self.block_tokens and \
                 self.blocks[0].start + self.block_tokens <= index:
-            self.blocks.pop(0)
+            self._drop([self.blocks.pop(0)])
         self.begin = self.blocks[0].start if self.blocks else self.end
 
     def map_batch(self, fn) -> None:
         """Apply ``fn`` (index_select / repeat_interleave on dim 0) to every stored tensor, shared ones included
         (fp8 per-head and per-tensor scales have one row per sequence)."""
         self._run = None
+        self._spare = []  # of the old batch size
         for blk in self.blocks:
             blk.parts = {k: fn(t) for k, t in blk.parts.items()}
             blk.segment, blk.segment_key = None, ()
@@ -225,6 +244,8 @@ class BlockStore:
                 row_bytes = t[0, 0, 0].numel() * t.element_size() if t.shape[2] else 0
                 out[lay.kind] += self.batch * self.heads * (blk.used // lay.tokens_per_row) * row_bytes
                 out["allocated"] += t.numel() * t.element_size()
+        for blk in self._spare:
+            out["allocated"] += sum(t.numel() * t.element_size() for t in blk.parts.values())
         for side, codec in self.codecs.items():
             for t in (*codec.constants().values(), *self.shared[side].values()):
                 out["params"] += t.numel() * t.element_size()

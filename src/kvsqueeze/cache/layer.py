@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from ..spec import CacheSpec
+from .arena import BlockArena
 from .blocks import BlockStore, FastEncoder
 from .factory import make_codec
 from .plan import EXACT, Memo, Segment, SegmentPlan
@@ -160,6 +161,7 @@ class LayerKV:
         self.backend = "torch"  # attention backend name and its resolved function (set by the adapter)
         self.attend = None
         self.fast_encode: FastEncoder | None = None  # handed to the block store (set by the adapter)
+        self.arena: BlockArena | None = None  # likewise: where its CPU blocks are carved from (one per cache)
         self.step: StepTracker | None = None  # shared by the layers of one cache: commits whole steps
 
     # ------------------------------------------------------------------ sizes
@@ -226,6 +228,7 @@ class LayerKV:
         kc, vc = make_codec(self.spec.key, d, k.dtype), make_codec(self.spec.value, d, k.dtype)
         self.store = BlockStore(kc, vc, b, h, self.spec.block_tokens, k.device)
         self.store.fast_encode = self.fast_encode
+        self.store.arena = self.arena
 
     def checkpoint(self) -> tuple:
         """The committed state, cheaply (references and counts: storage is append-only, see :meth:`restore`)."""
