@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
@@ -435,7 +436,7 @@ class QuantizedCache(Cache):
         if spec.layer_overrides is not None:
             check_overrides(spec, layout)  # artifact of another model: ValueError before allocation
         self.spec, self.layout, self._config = spec, layout, config
-        step = StepTracker(lambda: [layer.kv for layer in self.layers])
+        step = StepTracker(self._layer_kvs)  # a bound method: a deep copy's tracker follows the copy
         arena = BlockArena()  # the layers' CPU blocks, side by side in huge pages (cache/arena.py)
         layers = []
         for i, t in enumerate(layout.layer_types):
@@ -461,6 +462,20 @@ class QuantizedCache(Cache):
         self._routing = False  # this cache's step in flight holds a share of the model's routing (_ROUTES)
         if self.layers:
             self.layers[-1].end_of_step = self.layers[-1].kv.end_of_step = self._unroute
+
+    def _layer_kvs(self) -> list[LayerKV]:
+        return [layer.kv for layer in self.layers]
+
+    def __deepcopy__(self, memo):
+        # transformers' docs copy a prompt's cache to reuse it: the copy routes the same model, so the model's
+        # configs (whose attention implementation routing sets) are shared, not copied
+        for c in (self._config, *self._route_configs):
+            memo[id(c)] = c
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        twin.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        twin._routing = False  # the original's step in flight holds the routing share, not the copy
+        return twin
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if layer_idx == 0:

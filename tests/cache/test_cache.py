@@ -356,3 +356,26 @@ def test_a_step_failing_after_earlier_layers_committed_is_rolled_back(tiny_llama
     got = _decode(tiny_llama, ids[:, 50:], cache, 60)
     want = _decode(tiny_llama, ids[:, 50:], ref, 60)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_a_copied_cache_reuses_a_prompt(tiny_llama):
+    """transformers' docs reuse a prompt's cache through copy.deepcopy: the copy routes the same model (it used to
+    route copies of its configs, and the model ran SDPA over the cache), commits its own layers, owns its blocks,
+    and both caches then go on as one never copied."""
+    import copy
+
+    ids = _ids(400, seed=1)
+    ref = QuantizedCache(tiny_llama.config, "kivi-2")
+    cache = QuantizedCache(tiny_llama.config, "kivi-2")
+    with torch.no_grad():
+        tiny_llama(ids[:, :300], **cache_kwargs(tiny_llama, ref))
+        want = tiny_llama(ids[:, 300:], **cache_kwargs(tiny_llama, ref)).logits
+        tiny_llama(ids[:, :300], **cache_kwargs(tiny_llama, cache))
+        twin = copy.deepcopy(cache)
+        assert twin.layers[0].kv.step.layers[0] is twin.layers[0].kv
+        blk, blk2 = cache.layers[0].kv.store.blocks[0], twin.layers[0].kv.store.blocks[0]
+        assert blk2.parts["k.codes"].data_ptr() != blk.parts["k.codes"].data_ptr()
+        got_twin = tiny_llama(ids[:, 300:], **cache_kwargs(tiny_llama, twin)).logits
+        got = tiny_llama(ids[:, 300:], **cache_kwargs(tiny_llama, cache)).logits
+    torch.testing.assert_close(got_twin, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
