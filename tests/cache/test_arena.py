@@ -142,4 +142,3 @@ def test_cache_layers_share_one_arena(tiny_llama):
     assert stores[0].arena is stores[1].arena is not None
     slabs = {t.untyped_storage().data_ptr() for s in stores for blk in s.blocks for t in blk.parts.values()}
     assert len(slabs) == 1
-

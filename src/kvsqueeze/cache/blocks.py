@@ -184,7 +184,8 @@ class BlockStore:
 
     def checkpoint(self) -> tuple:
         """What :meth:`restore` needs to undo every append and eviction made after this call (blocks are only
-        written past their ``used`` count, so remembering the counts is enough)."""
+        written past their ``used`` count, so remembering the counts is enough).  A block evicted after it must not
+        be reused before the restore: a layer's commit appends before it evicts, so it never is."""
         return (list(self.blocks), [blk.used for blk in self.blocks], self.end, self.begin,
                 {side: dict(d) for side, d in self.shared.items()})
 
