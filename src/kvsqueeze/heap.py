@@ -1,5 +1,5 @@
 """Handing freed memory back to the operating system, how much of the heap is really in use, and asking for huge
-pages (:func:`advise_huge_pages`, for the cache's block arena).
+pages (:func:`huge_page_buffer`, for the cache's block arena).
 
 glibc keeps freed heap memory mapped (and raises its mmap threshold as large buffers are freed, so later ones come
 from the heap too): after a forward pass over a long chunk, the activations' pages stay in the process's resident
@@ -64,18 +64,23 @@ def heap_in_use() -> int | None:
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) transparent huge page size
 
 
-def advise_huge_pages(t: torch.Tensor) -> int:
-    """Ask Linux to back the 2 MiB-aligned whole pages inside ``t``'s memory with transparent huge pages
-    (``madvise(MADV_HUGEPAGE)``; the THP mode ``madvise``, common on servers, uses them only where asked).  Returns
-    the bytes advised: 0 where there is no such page, no ``madvise`` (not Linux) or the call fails."""
+def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
+    """``nbytes`` of fresh memory as a uint8 tensor, 2 MiB-aligned in an anonymous mapping of its own, its whole
+    2 MiB pages advised ``MADV_HUGEPAGE`` (Linux; the THP mode ``madvise``, common on servers, uses huge pages only
+    where asked); elsewhere a plain tensor.  Returns (tensor, bytes advised).  A mapping of its own, not malloc's:
+    advised memory that malloc had carved from the brk heap passed the advice on to the heap's later growth (the
+    kernel extends the heap's last mapping), and small allocations then took a 2 MiB page each (SmolLM2 rot-3 at
+    8k: RSS +43 MiB over 900 decode steps, against +3.7 MiB of cache)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    lib = _glibc()
-    if advice is None or lib is None or not hasattr(lib, "madvise"):
-        return 0
-    start = t.data_ptr()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = (start + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return 0
-    lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return hi - lo if lib.madvise(lo, hi - lo, advice) == 0 else 0
+    if advice is None or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.empty(nbytes, dtype=torch.uint8), 0
+    mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mm, dtype=torch.uint8)  # holds the mapping until the last view of it is freed
+    off = -whole.data_ptr() % HUGE_PAGE  # the unused head and tail are never touched, so never resident
+    span = nbytes // HUGE_PAGE * HUGE_PAGE
+    try:
+        if span:
+            mm.madvise(advice, off, span)
+    except OSError:  # a kernel without transparent huge pages
+        span = 0
+    return whole[off:off + nbytes], span

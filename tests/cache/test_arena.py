@@ -12,7 +12,7 @@ from kvsqueeze.cache import arena as arena_mod
 from kvsqueeze.cache.arena import BlockArena
 from kvsqueeze.cache.blocks import SPARE_BLOCKS, BlockStore
 from kvsqueeze.cache.factory import make_codec
-from kvsqueeze.heap import HUGE_PAGE, advise_huge_pages
+from kvsqueeze.heap import HUGE_PAGE, huge_page_buffer
 from kvsqueeze.spec import QuantSpec
 
 KEY = QuantSpec(bits=2, axis="channel", group=8)
@@ -42,17 +42,29 @@ def test_parts_are_aligned_disjoint_views_of_doubling_slabs():
 def test_large_and_empty_parts():
     arena = BlockArena()
     big = arena.empty((4, 8, 256, 128), torch.float32)  # 4 MiB: a slab of its own
-    assert big.untyped_storage().nbytes() == big.numel() * 4 and arena._slab is None
+    assert big.shape == (4, 8, 256, 128) and arena._slab is None
+    big.fill_(1.5)
+    assert big.sum().item() == 1.5 * big.numel()
     assert arena.empty((1, 2, 0, 16), torch.uint8).numel() == 0
 
 
-def test_advise_huge_pages_covers_the_aligned_interior():
-    t = torch.empty(3 * HUGE_PAGE, dtype=torch.uint8)
-    got = advise_huge_pages(t)
-    assert got % HUGE_PAGE == 0 and got <= 3 * HUGE_PAGE
+def test_huge_page_buffers_are_aligned_and_live_outside_the_malloc_heap():
+    """Advised memory inside malloc's brk heap passed the advice on to the heap's later growth (the kernel extends
+    the heap's last mapping), so every slab is a mapping of its own."""
+    buf, advised = huge_page_buffer(3 * HUGE_PAGE + 4096)
+    assert buf.numel() == 3 * HUGE_PAGE + 4096 and buf.data_ptr() % HUGE_PAGE == 0
+    assert advised in (0, 3 * HUGE_PAGE)
     if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # Linux with THP compiled in
-        assert got >= 2 * HUGE_PAGE
-    assert advise_huge_pages(torch.empty(HUGE_PAGE // 2, dtype=torch.uint8)) == 0
+        assert advised == 3 * HUGE_PAGE
+    buf[-1] = 7
+    assert buf[-1].item() == 7 and buf[0].item() == 0
+    if os.path.exists("/proc/self/maps"):
+        p = buf.data_ptr()
+        for line in open("/proc/self/maps"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= p < hi:
+                assert "[heap]" not in line
+                break
 
 
 def _store(arena=True, block=32):

@@ -2,13 +2,12 @@
 
 A decode step reads every stored block of every layer once.  Allocated one by one, the blocks of a long context are
 thousands of small tensors (SmolLM2 at 8k tokens, kivi-4: ~5,000 of 3-24 KiB, ~60 MB) spread over 4 KiB pages,
-and the step pays a TLB miss per page.  Carved from slabs whose 2 MiB-aligned interior is advised
-``MADV_HUGEPAGE``, the same bytes sit in a few dozen huge pages, and the blocks of one step lie next to each other
-in the order they were written.  Slabs double from 4 to 32 MiB: a small cache keeps a small idle tail (untouched
-pages are not resident anyway), a large one gets most of its bytes in whole huge pages (malloc places a slab on a
-4 KiB boundary, so up to 2 MiB at either end stays in small pages).
-Measured on SmolLM2-135M at 8k tokens, 1 thread, kivi-4, with and without the arena in one process: attention
-17.8 -> 16.4 ms per decode step (at 1k unchanged).
+and the step pays a TLB miss per page.  Carved from 2 MiB-aligned slabs advised ``MADV_HUGEPAGE`` (each in a
+mapping of its own: see :func:`kvsqueeze.heap.huge_page_buffer`), the same bytes sit in a few dozen huge pages,
+and the blocks of one step lie next to each other in the order they were written.  Slabs double from 4 to 32 MiB:
+a small cache keeps a small idle tail (pages never touched are not resident), a large one few slabs.  Measured on
+SmolLM2-135M at 8k tokens, 1 thread, kivi-4, with and without the arena in one process: attention 17.8 -> 16.4 ms
+per decode step (at 1k unchanged).
 
 One arena serves every layer of a cache, so at most one partly used slab is ever idle.  A slab is freed when the
 last block carved from it is (blocks hold views of it); a store keeps a dropped block for its next one (see
@@ -19,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from ..heap import advise_huge_pages
+from ..heap import huge_page_buffer
 
-FIRST_SLAB, LAST_SLAB = 4 << 20, 32 << 20  # 4 MiB holds one whole aligned 2 MiB page wherever malloc puts it
+FIRST_SLAB, LAST_SLAB = 4 << 20, 32 << 20
 OWN_SLAB = 1 << 20  # a part this large gets a slab of its own (no tail left over to waste)
 ALIGN = 64  # a cache line: every part starts on one, as torch.empty's do
 
@@ -34,8 +33,8 @@ class BlockArena:
         self.advised = 0  # bytes advised for huge pages so far (0 where the OS offers none)
 
     def _fresh(self, nbytes: int) -> torch.Tensor:
-        slab = torch.empty(nbytes, dtype=torch.uint8)
-        self.advised += advise_huge_pages(slab)
+        slab, advised = huge_page_buffer(nbytes)
+        self.advised += advised
         return slab
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
