@@ -6,8 +6,8 @@ and the step pays a TLB miss per page.  Carved from 2 MiB-aligned slabs advised 
 mapping of its own: see :func:`kvsqueeze.heap.huge_page_buffer`), the same bytes sit in a few dozen huge pages,
 and the blocks of one step lie next to each other in the order they were written.  Slabs double from 4 to 32 MiB:
 a small cache keeps a small idle tail (pages never touched are not resident), a large one few slabs.  Measured on
-SmolLM2-135M at 8k tokens, 1 thread, kivi-4, with and without the arena in one process: attention 17.8 -> 16.4 ms
-per decode step (at 1k unchanged).
+SmolLM2-135M at 8k tokens, 1 thread, kivi-4, with and without the arena in one process: attention 16.9 -> 15.5 ms
+per decode step (at 1k 5.2 -> 5.0).
 
 One arena serves every layer of a cache, so at most one partly used slab is ever idle.  A slab is freed when the
 last block carved from it is (blocks hold views of it); a store keeps a dropped block for its next one (see
