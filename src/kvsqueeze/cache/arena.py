@@ -16,6 +16,8 @@ BlockStore), so crops and sliding-window evictions do not leave holes behind in 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..heap import huge_page_buffer
@@ -30,26 +32,22 @@ class BlockArena:
         self.slab_bytes = FIRST_SLAB // 2  # doubled before each slab
         self._slab: torch.Tensor | None = None
         self._used = 0
-        self.advised = 0  # bytes advised for huge pages so far (0 where the OS offers none)
 
-    def _fresh(self, nbytes: int) -> torch.Tensor:
-        slab, advised = huge_page_buffer(nbytes)
-        self.advised += advised
-        return slab
+    def __deepcopy__(self, memo) -> BlockArena:
+        # a copied cache carves its copied blocks from slabs of its own (BlockStore.__deepcopy__), sized to them:
+        # copying the slabs would copy their idle tails too
+        return BlockArena()
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` and ``dtype``, contiguous, a view of a slab."""
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         if nbytes > OWN_SLAB:
-            return self._fresh(nbytes).view(dtype).view(shape)
+            return huge_page_buffer(nbytes)[0].view(dtype).view(shape)
         start = -(-self._used // ALIGN) * ALIGN
         if self._slab is None or start + nbytes > self._slab.numel():
             self.slab_bytes = min(2 * self.slab_bytes, LAST_SLAB)
-            self._slab, start = self._fresh(self.slab_bytes), 0
+            self._slab, start = huge_page_buffer(self.slab_bytes)[0], 0
         self._used = start + nbytes
         return self._slab[start:start + nbytes].view(dtype).view(shape)

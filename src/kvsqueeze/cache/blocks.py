@@ -9,6 +9,7 @@ per-tensor scales), which its stateless codecs fill on the first encode.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -56,6 +57,22 @@ class BlockStore:
     def __getstate__(self) -> dict:
         # a copied (deepcopy / pickle) store rebuilds its segments: the cached ones decode this store's blocks
         return {**self.__dict__, "_run": None}
+
+    def __deepcopy__(self, memo) -> BlockStore:
+        # blocks are copied part by part into new blocks: copied as tensors, views of an arena's slabs would bring
+        # whole slabs along (a 400 KB cache's copy took 6 MiB)
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        state = {k: v for k, v in self.__getstate__().items() if k not in ("blocks", "_spare")}
+        twin.__dict__.update(copy.deepcopy(state, memo))
+        twin.blocks, twin._spare = [], []
+        for blk in self.blocks:
+            new = twin._new_block(blk.start)
+            for key, t in blk.parts.items():
+                new.parts[key].copy_(t)
+            new.used = blk.used
+            twin.blocks.append(new)
+        return twin
 
     @property
     def n_tokens(self) -> int:
