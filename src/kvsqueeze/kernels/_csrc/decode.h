@@ -20,10 +20,10 @@ struct Ctx {
 };
 
 struct Scratch {
-  std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc;
+  std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc, wt;
   Scratch(int D, int64_t R, int64_t chunk)
       : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
-        pa(chunk * 16 + 16), pc(chunk * 16 + 16) {}
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(4 * chunk + 16) {}
 };
 
 // One (batch, kv head, chunk) work item: partial max, sum and weighted values of every query row.
@@ -40,7 +40,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   float* pw = cx.part + w * R * W;
   const float* qs = cx.qprep + (bh * cx.NF + sg.fmt) * R * D;
   float* s = sc.s.data();
-  const TokenParams tp{sc.pa.data(), sc.pc.data()};
+  const TokenParams tp{sc.pa.data(), sc.pc.data(), sc.wt.data()};
   // Packed items are short streams (kivi-4: 8 KiB of key codes, 8 KiB of values, 4 KiB of parameters per 256 tokens)
   // that the hardware prefetcher barely ramps up on: from DRAM the kernel ran at a third of its speed on data in
   // cache.  The item's rows (codes and per-token / per-group parameters) are requested up front, keys first.

@@ -340,6 +340,67 @@ void fast_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     for (int i = 0; i < L::NV; ++i) storef(acc + r * acc_stride + VW * i, a[r][i]);
 }
 
+// Whether RB rows of DT-wide accumulators overflow the vector registers (16 on AVX2, 32 on AVX-512, with room left
+// for the codes, their conversion and the broadcast weights): at head_dim 64 and 3 query rows, AVX2 holds 24
+// accumulators in 16 registers, and fast_values spent more of its time moving them to and from the stack than on
+// its multiply-adds (perf: 35 cycles per token and KV head, half of them spill moves).
+template <int DT, int BITS, int RB>
+constexpr bool values_spill() {
+  return RB * Layout<DT, BITS>::NV > (VW == 16 ? 24 : 8);
+}
+
+// fast_values for accumulators that do not fit the registers, with every unit block in one per-token group (G a
+// multiple of VW units): one pass over the item's tokens per unit block and KC of its fields, RB x KC accumulators.
+// A token's scale is folded into its probability, w_rt = p_rt a_tg, so a code costs one multiply-add per row, and
+// its zero term is one sum per row and group: acc += sum_t w_rt code_t + sum_t p_rt c_tg (the same arithmetic as the
+// reference up to float rounding; the codes are re-read from L1 per pass, 8-32 bytes per token).
+template <int DT, int BITS, int RB>
+void blocked_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                    float* acc, int64_t acc_stride, const float* A, const float* C, float* wt) {
+  using L = Layout<DT, BITS>;
+  constexpr int KC = std::min(L::per, std::max(1, 8 / RB));
+  const int NG = DT / sd.f.group;
+  const BlockGroups<DT, BITS> bg(sd.f.group);
+  const char* row0 = sd.x.row(b, h, t0);
+  const int64_t sr = sd.x.sr;
+  float cz[RB];
+  int gcur = -1;
+  for (int hb = 0; hb < L::UB; ++hb) {
+    if (bg.g[hb] != gcur) {  // this group's weights w[r][t] and zero sums
+      gcur = bg.g[hb];
+      for (int r = 0; r < RB; ++r) {
+        const float* pr = p + r * p_stride;
+        float* w = wt + r * n;
+        float z = 0.f;  // (a reordered sum: a serial one was a third of this function)
+#pragma omp simd reduction(+ : z)
+        for (int t = 0; t < n; ++t) {
+          w[t] = pr[t] * A[t * NG + gcur];
+          z += pr[t] * C[t * NG + gcur];
+        }
+        cz[r] = z;
+      }
+    }
+    for (int k0 = 0; k0 < L::per; k0 += KC) {
+      vf a[RB][KC];
+      for (int r = 0; r < RB; ++r)
+        for (int k = 0; k < KC; ++k) a[r][k] = vf{};
+      const char* row = row0 + VW * hb;
+      for (int t = 0; t < n; ++t, row += sr) {
+        const vi bytes = widen(reinterpret_cast<const uint8_t*>(row));
+        for (int k = 0; k < KC; ++k) {
+          const vf code = field<BITS>(bytes, k0 + k);
+          for (int r = 0; r < RB; ++r) a[r][k] += splat(wt[r * n + t]) * code;
+        }
+      }
+      for (int r = 0; r < RB; ++r)
+        for (int k = 0; k < KC; ++k) {
+          float* dst = acc + r * acc_stride + VW * ((k0 + k) * L::UB + hb);
+          storef(dst, loadf(dst) + a[r][k] + cz[r]);
+        }
+    }
+  }
+}
+
 // Which fast variant serves a side: its BITS (32 = fp32), or 0 when only the generic path can.
 template <int DT>
 int fast_bits(const Side& sd, bool is_key) {
@@ -358,6 +419,7 @@ int fast_bits(const Side& sd, bool is_key) {
 struct TokenParams {
   float* A;
   float* C;
+  float* W;  // blocked_values' weights: 4 rows x the item's tokens
 };
 
 template <int DT, int BITS, int KIND>
@@ -394,6 +456,16 @@ bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
   }
 }
 
+template <int DT, int BITS, int RB, bool UNIFORM>
+void values_block(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                  float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
+  if constexpr (BITS != 32 && values_spill<DT, BITS, RB>()) {
+    if (sd.f.group % (VW * Layout<DT, BITS>::per) == 0)
+      return blocked_values<DT, BITS, RB>(sd, b, h, t0, n, p, p_stride, acc, acc_stride, tp.A, tp.C, tp.W);
+  }
+  fast_values<DT, BITS, RB, UNIFORM>(sd, b, h, t0, n, p, p_stride, acc, acc_stride, gsel, tp.A, tp.C);
+}
+
 template <int DT, int BITS, bool UNIFORM>
 void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
                  int64_t R, float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
@@ -402,10 +474,10 @@ void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     const float* pr = p + r0 * p_stride;
     float* ar = acc + r0 * acc_stride;
     switch (rb) {
-      case 1: fast_values<DT, BITS, 1, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      case 2: fast_values<DT, BITS, 2, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      case 3: fast_values<DT, BITS, 3, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
-      default: fast_values<DT, BITS, 4, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp.A, tp.C); break;
+      case 1: values_block<DT, BITS, 1, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
+      case 2: values_block<DT, BITS, 2, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
+      case 3: values_block<DT, BITS, 3, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
+      default: values_block<DT, BITS, 4, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
     }
   }
 }

@@ -24,9 +24,10 @@ typedef __m512i ivec;
 constexpr int IB = 64;  // bytes per integer vector
 inline ivec iload(const void* p) { return _mm512_loadu_si512(p); }
 inline ivec izero() { return _mm512_setzero_si512(); }
+// byte products summed into int32 lanes at once; parts_sum = hi * 256 + lo per int32 lane
 inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
-inline ivec hi_lo(ivec hi, ivec lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }  // hi * 256 + lo
+inline ivec parts_sum(ivec hi, ivec lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
 template <int SHIFT>
 inline ivec field_bytes(ivec x, uint8_t mask) {
   if constexpr (SHIFT) x = _mm512_srli_epi16(x, SHIFT);  // bits from the next byte land above the mask
@@ -80,12 +81,14 @@ typedef __m256i ivec;
 constexpr int IB = 32;
 inline ivec iload(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline ivec izero() { return _mm256_setzero_si256(); }
-// vpmaddubsw saturates pairs at int16: 2 x 15 x 127 fits, which is why 8-bit codes take the int16 path
-inline ivec dot_u8s8(ivec acc, ivec u, ivec s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
+// vpmaddubsw saturates pairs at int16: 2 x 15 x 128 fits, which is why 8-bit codes take the int16 path.  The
+// pair sums of a row's fields and vectors stay int16 (IntLayout::PAIRS_FIT bounds them) and are widened once, by
+// parts_sum: one vpmaddwd per query part where a widening per field and part cost two more instructions each.
+inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
 inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
-inline ivec hi_lo(ivec hi, ivec lo) { return _mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo); }
+inline ivec parts_sum(ivec hi, ivec lo) {
+  return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+}
 template <int SHIFT>
 inline ivec field_bytes(ivec x, uint8_t mask) {
   if constexpr (SHIFT) x = _mm256_srli_epi16(x, SHIFT);
@@ -116,6 +119,8 @@ struct IntLayout {
   static constexpr int VPT = RBY > CB ? RBY / CB : 1;
   static constexpr int START = TPV == 1 ? 0 : TPV == 2 ? 1 : TPV == 4 ? 2 : 3;
   static constexpr bool ok = (CB % RBY == 0 || RBY % CB == 0) && TPV <= VW && TPV <= 8;
+  // AVX2's int16 pair sums of one row: VPT vectors x per fields x 2 codes x the largest code x 128 (|query part|)
+  static constexpr bool PAIRS_FIT = S16 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
 };
 
 // Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
@@ -163,6 +168,36 @@ struct IntQuery {
   }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // The same two parts eight lanes at a time, packed to bytes in registers (the scalar build below went through
+  // int32 arrays on the stack: a fifth of the AVX2 key scores at 32-token key groups); U % 32 == 0, so each
+  // vector's bytes are one 32-byte run of a part, copied as in the scalar build.
+  void set_parts_avx2(int r, const float* q, float inv) {
+    alignas(32) int8_t part[2][DT];
+    const __m256 s256 = _mm256_set1_ps(inv * 256.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' per-128-bit-lane order
+    for (int p = 0; p < DT; p += 32) {
+      __m256i hi[4], lo[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + p + 8 * i), s256));
+        hi[i] = _mm256_srai_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(128)), 8);
+        lo[i] = _mm256_sub_epi32(x, _mm256_slli_epi32(hi[i], 8));
+      }
+      auto bytes = [&](const __m256i* v) {  // [-128, 127]: the packs never saturate
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        return _mm256_permutevar8x32_epi32(w, order);
+      };
+      _mm256_store_si256(reinterpret_cast<__m256i*>(part[0] + p), bytes(hi));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(part[1] + p), bytes(lo));
+    }
+    for (int k = 0; k < L::per; ++k)
+      for (int c = 0; c < L::VPT; ++c) {
+        std::memcpy(q8[r][0][k][c], part[0] + k * U + c * IB, IB);
+        std::memcpy(q8[r][1][k][c], part[1] + k * U + c * IB, IB);
+      }
+  }
+#endif
+
   void set(const float* qe) {
     constexpr float QMAX8 = 127.f;
     // int32 lane sums must not overflow: DT codes of 255 times the largest int16 query value
@@ -181,6 +216,9 @@ struct IntQuery {
 #if defined(__AVX512F__)
       } else if constexpr (IB == 64 && U % 16 == 0) {
         set_parts_avx512(r, q, inv);
+#elif defined(__AVX2__)
+      } else if constexpr (IB == 32 && U % 32 == 0) {
+        set_parts_avx2(r, q, inv);
 #endif
       } else {
         alignas(64) int32_t h32[DT], l32[DT];
@@ -215,6 +253,7 @@ template <int DT, int BITS, int KIND, int RB>
 void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, float* s, int64_t s_stride,
                 const float* A, const float* C, const int* chan) {
   using L = IntLayout<DT, BITS>;
+  static_assert(L::PAIRS_FIT, "int16 pair sums would overflow");
   constexpr uint8_t MASK = BITS >= 8 ? 0xFF : (1 << BITS) - 1;
   constexpr int NV = VW >> L::START;  // vectors per block of VW tokens
   IntQuery<DT, BITS, RB> iq;
@@ -293,7 +332,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
           }(std::make_integer_sequence<int, L::per>{});
         }
       }
-      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 ? acc[r] : hi_lo(acc[r], low[r]));
+      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 ? acc[r] : parts_sum(acc[r], low[r]));
     }
     for (int r = 0; r < RB; ++r) {
       const vf dots = reduce_tokens<L::START>(buf[r]);
