@@ -3,11 +3,12 @@
 // The float path converts every key code to float and spends one multiply-add per code and query row; at 2-4 bits
 // that arithmetic, not the bytes read, bounded the decode step.  Here each query row is quantized once (per key
 // group for per-channel keys, whose (scale, zero) fold into it first) and the packed codes are multiplied as bytes:
-//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2: vpmaddubsw + vpmaddwd), one instruction per
-//                  64 (32) codes of one field and query part, the fields split from the packed bytes by a shift and a
-//                  mask.  The query is two int8 parts, round(q / sq) and the remainder in 1/256ths, combined as
-//                  hi * 256 + lo before the lanes are summed: one int8 part alone added ~20% to the 4-bit keys' own
-//                  score error (measured against the reference), two add ~0.1%;
+//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2: vpmaddubsw + vpaddw, int16 pair sums widened
+//                  by one vpmaddwd per row and query part), one multiply per 64 (32) codes of one field and query
+//                  part, the fields split from the packed bytes by a shift and a mask.  The query is two int8 parts,
+//                  round(q / sq) and the remainder in 1/256ths, combined as hi * 256 + lo before the lanes are
+//                  summed: one int8 part alone added ~20% to the 4-bit keys' own score error (measured against the
+//                  reference), two add ~0.1%;
 //   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
 // Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
 //   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
@@ -178,7 +179,8 @@ struct IntLayout {
   static constexpr int START = TPV == 1 ? 0 : TPV == 2 ? 1 : TPV == 4 ? 2 : 3;
   static constexpr bool ok = (CB % RBY == 0 || RBY % CB == 0) && TPV <= VW && TPV <= 8;
   // AVX2's int16 pair sums of one row: VPT vectors x per fields x 2 codes x the largest code x 128 (|query part|)
-  static constexpr bool PAIRS_FIT = S16 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
+  // (AVX-512 sums into int32 lanes)
+  static constexpr bool PAIRS_FIT = S16 || IB == 64 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
 };
 
 // Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
