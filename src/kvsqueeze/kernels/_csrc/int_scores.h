@@ -29,6 +29,11 @@ inline ivec izero() { return _mm512_setzero_si512(); }
 inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
 inline ivec parts_sum(ivec hi, ivec lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
+// code bytes zero-extended to int16, two vectors (unpack order; only the AVX2 build uses it, IntLayout::U16)
+inline void bytes_to_s16(ivec f, ivec& lo, ivec& hi) {
+  lo = _mm512_unpacklo_epi8(f, _mm512_setzero_si512());
+  hi = _mm512_unpackhi_epi8(f, _mm512_setzero_si512());
+}
 template <int SHIFT>
 inline ivec field_bytes(ivec x, uint8_t mask) {
   if constexpr (SHIFT) x = _mm512_srli_epi16(x, SHIFT);  // bits from the next byte land above the mask
@@ -90,6 +95,12 @@ inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm256_add_epi16(acc, _m
 inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline ivec parts_sum(ivec hi, ivec lo) {
   return _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(256)), _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+}
+// code bytes zero-extended to int16: lo = bytes 0-7 and 16-23, hi = bytes 8-15 and 24-31 (vpunpck*bw work per
+// 128-bit lane)
+inline void bytes_to_s16(ivec f, ivec& lo, ivec& hi) {
+  lo = _mm256_unpacklo_epi8(f, _mm256_setzero_si256());
+  hi = _mm256_unpackhi_epi8(f, _mm256_setzero_si256());
 }
 template <int SHIFT>
 inline ivec field_bytes(ivec x, uint8_t mask) {
@@ -181,6 +192,10 @@ struct IntLayout {
   // AVX2's int16 pair sums of one row: VPT vectors x per fields x 2 codes x the largest code x 128 (|query part|)
   // (AVX-512 sums into int32 lanes)
   static constexpr bool PAIRS_FIT = S16 || IB == 64 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
+  // AVX2, 4-bit codes filling whole vectors: the code bytes zero-extended to int16 against a 15-bit query
+  // (vpmaddwd), one query part: per 32 codes 2 unpacks shared by the rows and 2 multiplies per row, where the two
+  // int8 parts took 2 multiplies and 2 adds per row, and no widening of pair sums.  Same rounding bound.
+  static constexpr bool U16 = IB == 32 && BITS == 4 && TPV == 1;
 };
 
 // Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
@@ -193,6 +208,7 @@ struct IntQuery {
   static constexpr int U = DT / L::per;
   alignas(64) int8_t q8[RB][2][L::per][L::VPT][IB];  // [.][0]: round(q / sq), [.][1]: the remainder in 1/256ths
   alignas(64) int16_t q16[RB][DT];
+  alignas(64) int16_t q4[L::U16 ? RB : 1][L::per][L::VPT][2][16];  // U16: field k, vector c, unpack half
   float sq[RB];
 
   static float round_even(float x) { return (x + 12582912.f) - 12582912.f; }  // |x| < 2^22
@@ -267,10 +283,28 @@ struct IntQuery {
       float m = 0.f;
 #pragma omp simd reduction(max : m)
       for (int c = 0; c < DT; ++c) m = std::max(m, std::fabs(q[c]));
-      const float qmax = L::S16 ? QMAX16 : QMAX8;
-      sq[r] = m / qmax / (L::S16 ? 1.f : 256.f);  // int8: the dot products come out in 1/256ths
+      constexpr bool W16 = L::S16 || L::U16;
+      const float qmax = W16 ? QMAX16 : QMAX8;
+      sq[r] = m / qmax / (W16 ? 1.f : 256.f);  // int8 parts: the dot products come out in 1/256ths
       const float inv = m > 0.f ? qmax / m : 0.f;
-      if constexpr (L::S16) {
+      if constexpr (L::U16) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+        // byte j of field k's vector c is position k U + 32 c + j; the halves as bytes_to_s16 orders them:
+        // packs of positions (p..p+7, p+16..p+23) give quads (p, p+16, p+4, p+20), put in order by one vpermq
+        const __m256 sc = _mm256_set1_ps(inv);
+        auto half = [&](const float* x) {
+          const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), sc));
+          const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), sc));
+          return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        };
+        for (int k = 0; k < L::per; ++k)
+          for (int c = 0; c < L::VPT; ++c) {
+            const float* run = q + k * U + 32 * c;
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q4[r][k][c][0]), half(run));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q4[r][k][c][1]), half(run + 8));
+          }
+#endif
+      } else if constexpr (W16) {
 #pragma omp simd
         for (int c = 0; c < DT; ++c) q16[r][c] = static_cast<int16_t>(round_even(q[c] * inv));
 #if defined(__AVX512F__)
@@ -379,6 +413,16 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
         if constexpr (L::S16) {
           const ivec x = widen_s16(base + c * L::CB);
           for (int r = 0; r < RB; ++r) acc[r] = dot_s16(acc[r], x, iload(iq.q16[r] + c * L::CB));
+        } else if constexpr (L::U16) {
+          const ivec x = iload(base + c * IB);
+          [&]<int... K>(std::integer_sequence<int, K...>) {
+            (([&] {
+               ivec lo, hi;
+               bytes_to_s16(field_bytes<K * BITS>(x, MASK), lo, hi);
+               for (int r = 0; r < RB; ++r)
+                 acc[r] = dot_s16(dot_s16(acc[r], lo, iload(iq.q4[r][K][c][0])), hi, iload(iq.q4[r][K][c][1]));
+             }()), ...);
+          }(std::make_integer_sequence<int, L::per>{});
         } else {
           const ivec x = iload(base + c * IB);
           [&]<int... K>(std::integer_sequence<int, K...>) {
@@ -392,7 +436,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
           }(std::make_integer_sequence<int, L::per>{});
         }
       }
-      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 ? acc[r] : parts_sum(acc[r], low[r]));
+      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]));
     }
     for (int r = 0; r < RB; ++r) {
       const vf dots = reduce_tokens<L::START>(buf[r]);
