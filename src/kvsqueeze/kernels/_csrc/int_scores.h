@@ -8,7 +8,8 @@
 //                  part, the fields split from the packed bytes by a shift and a mask.  The query is two int8 parts,
 //                  round(q / sq) and the remainder in 1/256ths, combined as hi * 256 + lo before the lanes are
 //                  summed: one int8 part alone added ~20% to the 4-bit keys' own score error (measured against the
-//                  reference), two add ~0.1%;
+//                  reference), two add ~0.1%.  AVX2, 4-bit codes: the code bytes zero-extended to int16 x one
+//                  15-bit query part (vpmaddwd; IntLayout::U16), the same bound in fewer instructions;
 //   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
 // Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
 //   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
