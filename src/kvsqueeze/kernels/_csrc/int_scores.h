@@ -30,11 +30,6 @@ inline ivec izero() { return _mm512_setzero_si512(); }
 inline ivec dot_u8s8(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 inline ivec dot_s16(ivec acc, ivec a, ivec b) { return _mm512_dpwssd_epi32(acc, a, b); }
 inline ivec parts_sum(ivec hi, ivec lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo); }
-// code bytes zero-extended to int16, two vectors (unpack order; only the AVX2 build uses it, IntLayout::U16)
-inline void bytes_to_s16(ivec f, ivec& lo, ivec& hi) {
-  lo = _mm512_unpacklo_epi8(f, _mm512_setzero_si512());
-  hi = _mm512_unpackhi_epi8(f, _mm512_setzero_si512());
-}
 template <int SHIFT>
 inline ivec field_bytes(ivec x, uint8_t mask) {
   if constexpr (SHIFT) x = _mm512_srli_epi16(x, SHIFT);  // bits from the next byte land above the mask
@@ -305,7 +300,7 @@ struct IntQuery {
             _mm256_store_si256(reinterpret_cast<__m256i*>(q4[r][k][c][1]), half(run + 8));
           }
 #endif
-      } else if constexpr (W16) {
+      } else if constexpr (L::S16) {
 #pragma omp simd
         for (int c = 0; c < DT; ++c) q16[r][c] = static_cast<int16_t>(round_even(q[c] * inv));
 #if defined(__AVX512F__)
