@@ -331,6 +331,7 @@ class _HFLayer(CacheLayerMixin):
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
         kv.fast_encode = fast_encoder
         kv.arena = self.arena
+        kv.pooled = True if self.backend == "triton" else None  # the Triton kernels walk a pool in one launch
         kv.step = self.step
         kv.end_of_step = self.end_of_step
         return kv

@@ -16,12 +16,14 @@ from kvsqueeze.spec import CacheSpec, preset
 
 def filled_layer(spec: CacheSpec | str, batch: int = 1, kv_heads: int = 2, head_dim: int = 64, stored: int = 300,
                  new: int = 1, steps: int = 1, dtype: torch.dtype = torch.float32, sliding: int | None = None,
-                 seed: int = 0, device: str = "cpu", fast_encode=None) -> LayerKV:
+                 seed: int = 0, device: str = "cpu", fast_encode=None, pooled: bool | None = None) -> LayerKV:
     """A layer holding ``stored`` committed tokens (a prompt then ``steps - 1`` smaller appends) and ``new``
-    pending tokens; ``fast_encode`` is handed to its block store as the adapter does."""
+    pending tokens; ``fast_encode`` is handed to its block store as the adapter does, ``pooled`` too (None: the
+    store keeps a pool on devices other than the CPU)."""
     g = torch.Generator().manual_seed(seed)
     layer = LayerKV(preset(spec), sliding_window=sliding)
     layer.fast_encode = fast_encode
+    layer.pooled = pooled
 
     def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.randn(batch, kv_heads, n, head_dim, generator=g) * 2 + 0.5

@@ -18,7 +18,8 @@ import torch
 from ..quant.format import StorageFormat
 from .arena import BlockArena
 from .codecs import Codec
-from .plan import STORED, Memo, Segment
+from .plan import STORED, Memo, PoolRun, Segment
+from .pool import BlockPool
 
 # an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline
 FastEncoder = Callable[[StorageFormat, torch.Tensor], "dict[str, torch.Tensor] | None"]
@@ -35,6 +36,7 @@ class _Block:
     # last block grows, so rebuilding every block's segment each step would cost more than the attention)
     segment: Segment | None = None
     segment_key: tuple = ()
+    slot: int = -1  # its slot in the store's pool, if it has one
 
 
 class BlockStore:
@@ -44,6 +46,7 @@ class BlockStore:
         self.shared: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
         self.fast_encode: FastEncoder | None = None  # set by the adapter where a faster encoder exists
         self.arena: BlockArena | None = None  # where CPU blocks come from (set by the adapter; else torch.empty)
+        self.pool: BlockPool | None = None  # every block a slot of one tensor per part (use_pool; device caches)
         # blocks dropped by truncate / evict_before, reused by the next new blocks: blocks carved from an arena
         # shared by every layer would otherwise leave holes in slabs that the other layers' blocks keep alive
         self._spare: list[_Block] = []
@@ -78,12 +81,32 @@ class BlockStore:
     def n_tokens(self) -> int:
         return self.end - self.begin
 
+    def use_pool(self) -> None:
+        """Keep every block (those stored already too) as a slot of one tensor per part (see cache/pool.py)."""
+        self.pool = BlockPool(dict(self._layouts()), self.batch, self.heads, self.block_tokens, self.device)
+        self._spare = []
+        for blk in self.blocks:
+            blk.slot, parts = self.pool.take(blk.start // self.block_tokens)
+            for key, t in blk.parts.items():
+                parts[key].copy_(t)
+            blk.parts = parts
+        self._run = None
+
+    def pool_run(self, base: int) -> PoolRun | None:
+        """Where a kernel finds the stored tokens in the pool (absolute position of store index 0: ``base``)."""
+        if self.pool is None:
+            return None
+        return self.pool.run(self.begin, self.n_tokens, base + self.begin)
+
     def _layouts(self):
         for side, codec in self.codecs.items():
             for name, lay in codec.layout().items():
                 yield f"{side}.{name}", lay
 
     def _new_block(self, start: int) -> _Block:
+        if self.pool is not None:
+            slot, parts = self.pool.take(start // self.block_tokens)
+            return _Block(start, parts, slot=slot)
         if self._spare:
             return _Block(start, self._spare.pop().parts)
         arena = self.arena if self.device.type == "cpu" else None
@@ -95,6 +118,10 @@ class BlockStore:
         return _Block(start, parts)
 
     def _drop(self, dropped: list[_Block]) -> None:
+        if self.pool is not None:
+            for blk in dropped:
+                self.pool.give(blk.slot)
+            return
         self._spare = (self._spare + dropped)[-SPARE_BLOCKS:]
 
     def _encode(self, side: str, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
@@ -161,8 +188,12 @@ class BlockStore:
 
         return decode
 
+    @property
+    def _generation(self) -> int:  # a pool that grew re-pointed every block's views
+        return -1 if self.pool is None else self.pool.generation
+
     def _segment(self, blk: _Block, base: int) -> Segment:
-        key = (base, blk.used, id(blk.parts))
+        key = (base, blk.used, id(blk.parts), self._generation)
         if blk.segment_key != key:
             kp, vp = self._sides(blk, valid=False)
             blk.segment = Segment(STORED, base + blk.start, blk.used, k_parts=kp, v_parts=vp,
@@ -177,8 +208,9 @@ class BlockStore:
         returned: between two flushes a decode step stores nothing new, and a flush only adds to the last block."""
         # every block but the last is full (appends fill them in order; crops keep a prefix)
         n_full = len(self.blocks) - (1 if self.blocks and self.blocks[-1].used < self.block_tokens else 0)
-        if self._run is None or self._run[0] != base or len(self._run[1]) != n_full:
-            self._run = (base, tuple(self._segment(blk, base) for blk in self.blocks[:n_full]), Memo())
+        if self._run is None or self._run[0] != (base, self._generation) or len(self._run[1]) != n_full:
+            self._run = ((base, self._generation), tuple(self._segment(blk, base) for blk in self.blocks[:n_full]),
+                         Memo())
         tail = tuple(self._segment(blk, base) for blk in self.blocks[n_full:] if blk.used)
         return self._run[1], self._run[2], tail
 
@@ -212,6 +244,10 @@ class BlockStore:
         for blk, n in zip(blocks, used):
             blk.used = n
         self.blocks, self.shared = list(blocks), {side: dict(d) for side, d in shared.items()}
+        if self.pool is not None:  # blocks appended since give their slots back, evicted ones take theirs again
+            self.pool.keep_only({blk.slot: (blk.start // self.block_tokens, blk.parts) for blk in self.blocks})
+            self._run = None
+            return
         live = {id(blk) for blk in self.blocks}  # a block evicted since the checkpoint is stored again
         self._spare = [blk for blk in self._spare if id(blk) not in live]
 
@@ -251,6 +287,8 @@ class BlockStore:
                     side[name] = fn(t)
         if self.blocks:
             self.batch = next(iter(self.blocks[0].parts.values())).shape[0]
+        if self.pool is not None and self.blocks:  # the new batch's blocks in a pool of their own
+            self.use_pool()
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the stored tokens by kind (codes / params / fp), and the bytes allocated in blocks."""
@@ -264,6 +302,9 @@ class BlockStore:
                 out["allocated"] += t.numel() * t.element_size()
         for blk in self._spare:
             out["allocated"] += sum(t.numel() * t.element_size() for t in blk.parts.values())
+        if self.pool is not None:  # the pool's free slots are allocated too
+            out["allocated"] += sum(t[0].numel() * t.element_size() * len(self.pool.free)
+                                    for t in self.pool.tensors.values()) + self.pool.table.numel() * 4
         for side, codec in self.codecs.items():
             for t in (*codec.constants().values(), *self.shared[side].values()):
                 out["params"] += t.numel() * t.element_size()

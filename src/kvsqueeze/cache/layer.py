@@ -162,6 +162,9 @@ class LayerKV:
         self.attend = None
         self.fast_encode: FastEncoder | None = None  # handed to the block store (set by the adapter)
         self.arena: BlockArena | None = None  # likewise: where its CPU blocks are carved from (one per cache)
+        # blocks as slots of one pool per part (cache/pool.py), which the Triton decode walks in one launch: None =
+        # on devices other than the CPU (the C++ kernel takes blocks where they are)
+        self.pooled: bool | None = None
         self.step: StepTracker | None = None  # shared by the layers of one cache: commits whole steps
 
     # ------------------------------------------------------------------ sizes
@@ -229,6 +232,8 @@ class LayerKV:
         self.store = BlockStore(kc, vc, b, h, self.spec.block_tokens, k.device)
         self.store.fast_encode = self.fast_encode
         self.store.arena = self.arena
+        if self.pooled or (self.pooled is None and k.device.type != "cpu"):
+            self.store.use_pool()
 
     def checkpoint(self) -> tuple:
         """The committed state, cheaply (references and counts: storage is append-only, see :meth:`restore`)."""
@@ -298,8 +303,9 @@ class LayerKV:
             after.append(Segment(EXACT, self.n_total, k.shape[2], is_new=True, k=k, v=v))
         fmts = (None, None) if store is None else (store.codecs["k"].fmt, store.codecs["v"].fmt)
         shared = ({}, {}) if store is None else (store.shared["k"], store.shared["v"])
+        pool = None if store is None else store.pool_run(self.n_sinks)
         return SegmentPlan(before, stored, tuple(after), fmts[0], fmts[1], self.first_visible, self.n_total,
-                           self.spec.flush_tokens, shared[0], shared[1], memo)
+                           self.spec.flush_tokens, shared[0], shared[1], memo, pool)
 
     # ------------------------------------------------------------------ editing
     def crop(self, new_length: int) -> None:
@@ -347,6 +353,8 @@ class LayerKV:
             b = self.shape[0] if self.sink_k is None else self.sink_k.shape[0]
         self.shape = (b, self.shape[1], self.shape[2])
         self.store.batch = b
+        if self.store.pool is not None and self.store.pool.batch != b:  # no blocks yet: an empty pool of b
+            self.store.use_pool()
 
     # ------------------------------------------------------------------ accounting
     def nbytes(self) -> dict[str, int]:

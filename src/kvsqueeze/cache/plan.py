@@ -60,6 +60,21 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class PoolRun:
+    """What a kernel needs to read a store's tokens from its pool: ``parts`` by side and name (e.g.
+    ``parts["k"]["codes"]``, each ``[slots, B, H, rows, ...]``), the block ``table`` (int32, store block -> slot),
+    ``first`` (store index of the first stored token), ``n_tokens`` stored tokens from there, ``start`` (absolute
+    position of the first), ``block_tokens`` tokens per slot."""
+
+    parts: dict[str, dict[str, torch.Tensor]]
+    table: torch.Tensor
+    first: int
+    n_tokens: int
+    start: int
+    block_tokens: int
+
+
+@dataclass(frozen=True)
 class SegmentPlan:
     """Everything one layer's attention step reads: ``segments`` = ``before`` (sinks) + ``stored`` (the packed full
     blocks) + ``after`` (a packed block still filling, the window, the step's new tokens).
@@ -70,6 +85,8 @@ class SegmentPlan:
     tensors shared by every stored token of a side (fp8 per-head / per-tensor scales), by name.  first_visible:
     absolute position of the first token still stored (mask columns are positions minus this).  query_start:
     absolute position of the first new token.  flush_tokens: stored segments hold whole token groups of this size.
+    pool: where every stored segment's tokens (the full blocks and a block still filling) lie as slots of one tensor
+    per part, when the store keeps a pool (device caches; cache/pool.py): a kernel may read them all from there.
     """
 
     before: tuple[Segment, ...]
@@ -83,6 +100,7 @@ class SegmentPlan:
     key_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
     value_shared: Mapping[str, torch.Tensor] = field(default_factory=dict)
     stored_memo: dict = field(default_factory=lambda: Memo(), compare=False, repr=False)
+    pool: PoolRun | None = field(default=None, compare=False, repr=False)
 
     @property
     def segments(self) -> tuple[Segment, ...]:

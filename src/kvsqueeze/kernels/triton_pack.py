@@ -23,7 +23,7 @@ import torch
 from ..quant.format import StorageFormat
 from ..quant.nonfinite import LIMIT
 from ..quant.params import scale_floor
-from .triton_decode import HAS_TRITON, available
+from .triton_common import HAS_TRITON, available
 
 if HAS_TRITON:
     import triton

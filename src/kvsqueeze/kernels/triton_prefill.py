@@ -2,7 +2,8 @@
 
 Programs own a (batch * kv head, block of ``BLOCK_M`` query rows) pair; the query rows of one KV head's GQA
 group are laid out [rep * Lq] as in the decode kernel, so they share every key/value load.  One launch per
-segment (sinks, each packed history block, the window, the step's new tokens): a program loops over the
+segment (sinks, the packed history - one launch through the block table where the cache keeps a pool, else one
+per block -, the window, the step's new tokens): a program loops over the
 segment in tiles of ``BLOCK_N`` tokens, unpacks codes in registers, scores with ``tl.dot`` and updates an
 online softmax whose running (max, sum, weighted values) state lives in a small float32 buffer [B*Hkv, rows]
 that the next segment's launch continues from.  Launches run in token order on one stream, so this is the
@@ -18,13 +19,13 @@ from __future__ import annotations
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
-from .triton_decode import HAS_TRITON, _parts, _side
+from .triton_common import FP_SIDE, HAS_TRITON, mask_args, side, side_args
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_decode import _load_side
+    from .triton_common import load_rows, token_rows
 
 BLOCK_M = 32  # query rows per program
 BLOCK_N = 32  # keys per tile
@@ -35,15 +36,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _prefill_segment_kernel(
-        q_ptr, m_ptr, l_ptr, acc_ptr, mask_ptr,
+        q_ptr, m_ptr, l_ptr, acc_ptr, mask_ptr, table_ptr,
         kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr,
-        skb, skh, skr, sksb, sksh, sksr, svb, svh, svr, svsb, svsh, svsr,
+        kx_ss, kx_sb, kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr,
+        vx_ss, vx_sb, vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr,
         msb, msr, msc,
-        n_tok, col0, kpos0, qpos0, R, LQ,
+        first, n_tok, col0, kpos0, qpos0, R, LQ,
         HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-        PREC: tl.constexpr,
-        KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr,
-        VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr,
+        PREC: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr,
+        KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
+        VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
     ):
         """MASK: 0 none, 1 bool mask (as uint8), 2 additive float mask, 3 causal by absolute position."""
         bh = tl.program_id(0)
@@ -61,8 +63,9 @@ if HAS_TRITON:
         for t0 in range(0, n_tok, BN):
             t_idx = t0 + tl.arange(0, BN)
             t_ok = t_idx < n_tok
-            k = _load_side(kx_ptr, ks_ptr, kz_ptr, b * skb + h * skh, skr, b * sksb + h * sksh, sksr, t_idx, t_ok,
-                           ch, KKIND, KBITS, KG, KSYM)
+            xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr, PAGED, BLK, 1)
+            po = token_rows(t_idx, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
+            k = load_rows(kx_ptr, ks_ptr, kz_ptr, xo, po, t_ok, ch, KKIND, KBITS, KG, KSYM)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BM, BN]
             valid = r_ok[:, None] & t_ok[None, :]
             if MASK == 1:
@@ -79,8 +82,9 @@ if HAS_TRITON:
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows so far stay zero
             p = tl.exp(s - safe[:, None])
             corr = tl.exp(m - safe)
-            v = _load_side(vx_ptr, vs_ptr, vz_ptr, b * svb + h * svh, svr, b * svsb + h * svsh, svsr, t_idx, t_ok,
-                           ch, VKIND, VBITS, VG, VSYM)
+            xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
+            po = token_rows(t_idx, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
+            v = load_rows(vx_ptr, vs_ptr, vz_ptr, xo, po, t_ok, ch, VKIND, VBITS, VG, VSYM)
             l_ = l_ * corr + tl.sum(p, axis=1)
             acc = acc * corr[:, None] + tl.dot(p, v, input_precision=PREC)
             m = m_new
@@ -91,22 +95,6 @@ if HAS_TRITON:
 
 def supports_query(d: int) -> bool:
     return d >= MIN_HEAD_DIM and not d & (d - 1)
-
-
-_FP_SIDE = (0, 16, 1, False)
-
-
-def _fp_args(x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[int, ...]]:
-    """Kernel tensors and (batch, head, row) strides of a full-precision segment [B, H, n, D]."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    st = (x.stride(0), x.stride(1), x.stride(2))
-    return (x, x, x), st + st
-
-
-def _block_args(fmt, parts):
-    x, s, z = _parts(fmt, parts)
-    return (x, s, z), (x.stride(0), x.stride(1), x.stride(2), s.stride(0), s.stride(1), s.stride(2))
 
 
 def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float
@@ -123,39 +111,36 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
     m_state = torch.full((b * hkv, r), float("-inf"), device=dev)
     l_state = torch.zeros(b * hkv, r, device=dev)
     acc = torch.zeros(b * hkv, r, d, device=dev)
-    if mask is None:
-        mask_arg, mst, hist_kind = m_state, (0, 0, 0), 0
-    else:
-        mm = mask[:, 0]
-        hist_kind = 1 if mm.dtype == torch.bool else 2
-        mask_arg = mm.view(torch.uint8) if hist_kind == 1 else mm
-        mst = (mm.stride(0) if mm.shape[0] > 1 else 0, mm.stride(1), mm.stride(2))
+    mask_arg, mst, hist_kind = mask_args(mask, m_state)
     bm, bn = BLOCK_M, BLOCK_N  # module attributes, so tests can shrink them for the interpreter
     grid = (b * hkv, triton.cdiv(r, bm))
     warps = 8 if d >= 128 else 4
 
-    def launch(start: int, n: int, kargs, kst, vargs, vst, ks, vs, mkind: int) -> None:
+    def launch(start: int, n: int, kargs, vargs, ks, vs, mkind: int, pool=None) -> None:
         if n == 0:
             return
+        (kt, kst, kpr), (vt, vst, vpr) = kargs, vargs
         _prefill_segment_kernel[grid](
-            q, m_state, l_state, acc, mask_arg, *kargs, *vargs, *kst, *vst, *mst,
-            n, start - first, start, plan.query_start, r, lq,
-            HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, PREC=DOT_PRECISION,
-            KKIND=ks[0], KBITS=ks[1], KG=ks[2], KSYM=ks[3], VKIND=vs[0], VBITS=vs[1], VG=vs[2], VSYM=vs[3],
+            q, m_state, l_state, acc, mask_arg, m_state if pool is None else pool.table, *kt, *vt, *kst, *vst,
+            *mst, 0 if pool is None else pool.first, n, start - first, start, plan.query_start, r, lq,
+            HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, PREC=DOT_PRECISION, PAGED=pool is not None,
+            BLK=1 if pool is None else pool.block_tokens,
+            KKIND=ks[0], KBITS=ks[1], KG=ks[2], KSYM=ks[3], KPR=kpr,
+            VKIND=vs[0], VBITS=vs[1], VG=vs[2], VSYM=vs[3], VPR=vpr,
             num_warps=warps,
         )
 
-    def fp(start: int, k: torch.Tensor, v: torch.Tensor, mkind: int) -> None:
-        (ka, kst), (va, vst) = _fp_args(k), _fp_args(v)
-        launch(start, k.shape[2], ka, kst, va, vst, _FP_SIDE, _FP_SIDE, mkind)
-
-    ks, vs = _side(plan.key_format), _side(plan.value_format)
+    ks, vs = side(plan.key_format), side(plan.value_format)
+    pool = plan.pool
+    if pool is not None:  # every stored token in one launch through the block table (the merge is order-free)
+        launch(pool.start, pool.n_tokens, side_args(plan.key_format, pool.parts["k"], paged=True),
+               side_args(plan.value_format, pool.parts["v"], paged=True), ks, vs, hist_kind, pool)
     for seg in plan.segments:
         if seg.kind == EXACT:
-            fp(seg.start, seg.k, seg.v, (3 if mask is None else hist_kind) if seg.is_new else hist_kind)
-        elif seg.length:
-            (ka, kst), (va, vst) = _block_args(plan.key_format, seg.k_parts), _block_args(plan.value_format,
-                                                                                          seg.v_parts)
-            launch(seg.start, seg.length, ka, kst, va, vst, ks, vs, hist_kind)
+            launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v), FP_SIDE, FP_SIDE,
+                   (3 if mask is None else hist_kind) if seg.is_new else hist_kind)
+        elif pool is None:
+            launch(seg.start, seg.length, side_args(plan.key_format, seg.k_parts),
+                   side_args(plan.value_format, seg.v_parts), ks, vs, hist_kind)
     out = acc / l_state.clamp_min(1e-30)[..., None]
     return out.reshape(b, hq, lq, d).to(query.dtype)
