@@ -65,6 +65,48 @@ def add_threads(p: argparse.ArgumentParser) -> None:
                    help=f"torch CPU threads, fixed for the whole run (default {DEFAULT_THREADS})")
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    """--device, --dtype and --random-weights/--layers: where and in what a timed model runs."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="run the model and its cache here (default cpu; cuda needs a CUDA GPU)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="model dtype (default fp32 on cpu, bf16 on cuda)")
+    p.add_argument("--random-weights", default=None, metavar="SHAPE",
+                   help="time an architecture with random weights instead of --model: llama-3.1-8b, qwen2.5-7b, "
+                        "mistral-7b, smollm2-135m, or a config.json path (reports say 'random weights')")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="with --random-weights: keep only the first N decoder layers")
+
+
+def model_for_device(args: argparse.Namespace) -> tuple[Any, int]:
+    """(model, threads) per --model / --random-weights, --device and --dtype; a bad combination is refused in one
+    line before anything loads."""
+    import torch
+
+    from kvsqueeze.eval import meta
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA GPU is visible to torch here (torch "
+                         f"{torch.__version__}); allowed here: --device cpu")
+    if args.random_weights is not None and args.model is not None:
+        raise ValueError("--random-weights and --model exclude each other: pick one")
+    if args.layers is not None and args.random_weights is None:
+        raise ValueError("--layers needs --random-weights")
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")])
+    if args.random_weights is None:
+        model, _, threads = meta.load_for_eval(args.model, args.threads)
+        return model.to(args.device, dtype), threads
+    from kvsqueeze.models import set_threads
+    from kvsqueeze.random_models import config_fields, random_model
+
+    config_fields(args.random_weights)  # an unknown name fails before the threads are set
+    threads = set_threads(args.threads)
+    return random_model(args.random_weights, args.layers, dtype, args.device), threads
+
+
 def add_model_and_threads(p: argparse.ArgumentParser) -> None:
     add_model(p)
     add_threads(p)

@@ -10,6 +10,7 @@ from . import _options
 def add_arguments(p: argparse.ArgumentParser) -> None:
     _options.add_kv(p)
     _options.add_model_and_threads(p)
+    _options.add_device(p)
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids) (default 1024)")
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed (default 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
@@ -40,11 +41,17 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and vllm_peer.is_vllm(kv):
         raise ValueError("--budget projects from a cache measured in this process; vLLM's cache lives in its own "
                          "process (drop --budget for vllm:* caches)")
-    model, _, threads = meta.load_for_eval(args.model, args.threads)
+    if vllm_peer.is_vllm(kv) and (args.device != "cpu" or args.random_weights):
+        raise ValueError("vllm:* caches run the model in vLLM's own process: --device and --random-weights apply to "
+                         "kvsqueeze and transformers caches only")
+    model, threads = _options.model_for_device(args)
     meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
     _options.check_prefill_chunk(args, model)
+    name = (f", {args.random_weights} with RANDOM WEIGHTS ({model.config.num_hidden_layers} layers)"
+            if args.random_weights else "")
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
-          f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads")
+          f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads, {args.device} "
+          f"{str(model.dtype).replace('torch.', '')}{name}")
     if vllm_peer.is_vllm(kv):
         from kvsqueeze.layout import model_kv_layout
 
@@ -60,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         if r.get("vllm_pool"):
             print(vllm_peer.pool_line(r["vllm_pool"]))
         if args.json:
-            _options.write_json(args, {**r, "cache": describe([args.kv])[0], "model": meta.model_info(model, args.model),
+            _options.write_json(args, {**r, "cache": describe([args.kv])[0], "model": meta.model_info(model, args.model or args.random_weights),
                                        "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
                                        "date": meta.now(), "machine": meta.machine_info()})
         return 0
@@ -78,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         r["capacity"] = _capacity(model, args.kv, r, budget)
     if args.json:
         record = {**r, "cache": describe([args.kv])[0], "lifetime_max_rss_bytes": lifetime_max_rss(),
-                  "model": meta.model_info(model, args.model), "wall_seconds": time.perf_counter() - start,
+                  "model": meta.model_info(model, args.model or args.random_weights), "wall_seconds": time.perf_counter() - start,
                   "command": meta.command_line(args), "date": meta.now(), "machine": meta.machine_info()}
         _options.write_json(args, record)
     return 0

@@ -93,6 +93,9 @@ def model_info(model: Any, name: str | None) -> dict[str, Any]:
         "architecture": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "parameters": sum(p.numel() for p in model.parameters()),
+        "device": str(next(model.parameters()).device),
+        # built by kvsqueeze.random_models: its times and bytes are real, its tokens noise
+        "random_weights": getattr(model, "random_weights", None) is not None,
         **{k: layout[k] for k in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "sliding_window",
                                   "max_position_embeddings")},
     }
