@@ -10,8 +10,9 @@ share of the copy bandwidth measured in the same run (bytes read by a 512 MiB co
 weights do between its attention layers, so the K/V come from memory rather than the last-level cache (the
 in-model case: at 8k tokens the kernel took ~0.6 ms per SmolLM2 layer inside the model against ~0.44 ms warm).
 
-GPU section (only with CUDA and Triton): Llama-2-7B-shaped (32 heads, head_dim 128; also 8 KV heads GQA), contexts
-4k-128k, batch 1 and 16: the fused Triton int4/int2 decode kernel vs fp16 SDPA and vs dequantize-then-SDPA.
+GPU section (only with CUDA and Triton): 32 query heads, head_dim 128, 8 (GQA) or 32 KV heads, contexts 4k-128k,
+batch 1 and 16, bf16: the fused Triton decode over kivi-4 / kivi-2 / int8 blocks (checked against SDPA over the
+decoded K/V first) vs SDPA over bf16, with bytes read, GB/s and their share of the device copy bandwidth.
 Then a GPU prefill section (``--prefill-tokens``, 0 skips): a chunk of new tokens over a packed history through
 the Triton prefill kernel, the block-by-block torch reference and fp16 SDPA.
 
@@ -140,7 +141,29 @@ def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
               f"{gbs / bw:.0%} | {base / med:.2f}x | {vs_full} |")
 
 
+def gpu_copy_bandwidth(gib: float = 2.0) -> float:
+    """GB/s of a device-to-device copy of ``gib`` GiB, counting bytes read and written (median of 10)."""
+    x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    ms = _cuda_ms(lambda: y.copy_(x), 10)
+    return 2 * x.numel() * 2 / (ms / 1e3) / 1e9
+
+
+def _sdpa_bf16(q, k, v, gqa: bool):
+    """torch SDPA over dense bf16 K/V with GQA in the kernel (no repeated K/V): flash where it takes GQA."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    except RuntimeError:  # flash refused this case: torch's own choice
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
+
 def bench_gpu(args) -> None:
+    """One decode step of one layer (32 query heads, head_dim 128, bf16): the fused Triton decode over packed blocks
+    (one launch through the layer's pool, plus the exact segments and a combine) against SDPA over bf16, with the
+    bytes each reads per step and the GB/s they imply beside the device copy bandwidth measured in the same run."""
     if not torch.cuda.is_available():
         print("\n## GPU: no CUDA device; section skipped")
         return
@@ -152,41 +175,40 @@ def bench_gpu(args) -> None:
     if not triton_decode.available():
         print("\n## GPU: Triton kernels unavailable; section skipped")
         return
-    dev = torch.device("cuda")
-    print(f"\n## GPU: {torch.cuda.get_device_name()}, Llama-2-7B-shaped layer (head_dim 128), one layer per step\n")
-    print("| heads q/kv | batch | context | method | ms/step | vs SDPA fp16 |")
-    print("|---|---|---|---|---|---|")
-    for kvh in (32, 8):
-        for batch in (1, 16):
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    bw = gpu_copy_bandwidth()
+    print(f"\n## GPU: {torch.cuda.get_device_name()}, one layer per step, 32 query heads, head_dim 128, bf16; "
+          f"device copy {bw:.0f} GB/s (read + written)\n")
+    print("| heads q/kv | batch | context | method | ms/step | MB read | GB/s | of copy | vs SDPA bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kvh in args.gpu_kv_heads:
+        for batch in args.gpu_batch:
             for ctx in args.gpu_contexts:
                 if batch * ctx * kvh * 128 * 2 * 2 > args.gpu_budget_gb * 2**30:
                     continue
-                k = torch.randn(batch, kvh, ctx, 128, device=dev, dtype=torch.float16)
+                k = torch.randn(batch, kvh, ctx, 128, device=dev, dtype=dt)
                 v = torch.randn_like(k)
-                q = torch.randn(batch, 32, 1, 128, device=dev, dtype=torch.float16)
+                q = torch.randn(batch, 32, 1, 128, device=dev, dtype=dt)
                 nk, nv = torch.randn_like(k[:, :, :1]), torch.randn_like(v[:, :, :1])
-                layers = {p: build_layer(p, k, v, nk, nv) for p in ("kivi-4", "kivi-2")}
+                layers = {p: build_layer(p, k, v, nk, nv) for p in args.gpu_presets}
                 kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
                 del k, v
-
-                def sdpa(kk=kk, vv=vv, q=q, kvh=kvh):
-                    return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=kvh != 32)
-
-                def deq_sdpa(layer, q=q, kvh=kvh):
-                    segs = list(layer.plan().decoded())
-                    k2 = torch.cat([s[1].half() for s in segs], 2)
-                    v2 = torch.cat([s[2].half() for s in segs], 2)
-                    return torch.nn.functional.scaled_dot_product_attention(q, k2, v2, enable_gqa=kvh != 32)
-
-                methods = {"SDPA fp16": sdpa}
+                methods = {"SDPA bf16": (lambda kk=kk, vv=vv, q=q, kvh=kvh: _sdpa_bf16(q, kk, vv, kvh != 32),
+                                         2 * kk.numel() * kk.element_size())}
                 for p, la in layers.items():
-                    methods[f"fused {p}"] = lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5)
-                    methods[f"dequant+SDPA {p}"] = lambda la=la: deq_sdpa(la)
-                res = {}
-                for m, fn in methods.items():
-                    res[m] = _cuda_ms(fn, args.reps)
+                    assert triton_decode.path(q, la.plan()) == "triton", f"{p} is not served by the Triton decode"
+                    methods[f"fused {p}"] = (lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5),
+                                             layer_bytes(la))
+                    ref = _sdpa_bf16(q, *(torch.cat([s[i].to(dt) for s in la.plan().decoded()], 2) for i in (1, 2)),
+                                     kvh != 32)
+                    err = (methods[f"fused {p}"][0]().float() - ref.float()).norm() / ref.float().norm()
+                    assert err < 2e-2, f"{p}: fused decode differs from SDPA over its decoded K/V by {err:.2e}"
+                res = {m: _cuda_ms(fn, args.reps) for m, (fn, _) in methods.items()}
                 for m, t in res.items():
-                    print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")
+                    nbytes = methods[m][1]
+                    gbs = nbytes / (t / 1e3) / 1e9
+                    print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
+                          f"{gbs / bw:.0%} | {res['SDPA bf16'] / t:.2f}x |")
                 del layers, kk, vv
                 torch.cuda.empty_cache()
 
@@ -257,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU: C++ kernel paths to time (default: every path this CPU runs; see kernels/cpu.py ISAS)")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--gpu-contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536, 131072])
-    p.add_argument("--gpu-budget-gb", type=float, default=40.0, help="skip GPU shapes whose fp16 K/V exceed this")
+    p.add_argument("--gpu-budget-gb", type=float, default=40.0, help="skip GPU shapes whose bf16 K/V exceed this")
+    p.add_argument("--gpu-kv-heads", type=int, nargs="+", default=[8, 32], help="GPU: KV heads (32 query heads)")
+    p.add_argument("--gpu-batch", type=int, nargs="+", default=[1, 16], help="GPU: sequences per step")
+    p.add_argument("--gpu-presets", nargs="+", default=["kivi-4", "kivi-2", "int8"], help="GPU: presets to time")
     p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--evict-mib", type=int, default=0,

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on a lent GPU (device tool, see BENCHMARKS.md section 2 "On a GPU"): the Triton kernels' tests on the
+# real device, then the attention table, then end-to-end decode with Llama-3.1-8B-shaped random weights against
+# transformers' DynamicCache.  Everything it needs is in the checkout (no downloads); each part has its own time
+# limit so one slow part cannot eat the lease, and a short summary is printed last.
+#   run from the repository root:  bash benchmarks/gpu_check.sh
+#   knobs (environment): CONTEXTS ("4096 32768"), E2E_CONTEXT (8192), E2E_BATCH (8), E2E_LAYERS (all),
+#                        E2E_CACHES ("hf-dynamic full kivi-4 kivi-2"), SHAPE (llama-3.1-8b)
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+CONTEXTS=${CONTEXTS:-"4096 32768"}
+E2E_CONTEXT=${E2E_CONTEXT:-8192}
+E2E_BATCH=${E2E_BATCH:-8}
+E2E_CACHES=${E2E_CACHES:-"hf-dynamic full kivi-4 kivi-2"}
+SHAPE=${SHAPE:-llama-3.1-8b}
+LAYERS=${E2E_LAYERS:+--layers $E2E_LAYERS}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, '| triton', triton.__version__,
+'| transformers', transformers.__version__, '|', torch.cuda.get_device_name())"
+
+echo "== Triton kernel tests on the device"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_pool.py \
+  tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py tests/kernels/test_triton_pack.py \
+  2>&1 | tail -n 15 | tee "$OUT/tests.txt"
+
+echo "== attention, one layer per step"
+# shellcheck disable=SC2086
+timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 50 --prefill-tokens 0 \
+  2>&1 | tee "$OUT/attention.md"
+
+echo "== end to end: $SHAPE, random weights, context $E2E_CONTEXT x batch $E2E_BATCH"
+for kv in $E2E_CACHES; do
+  # shellcheck disable=SC2086
+  timeout 150 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv "$kv" \
+    --context "$E2E_CONTEXT" --batch "$E2E_BATCH" --decode-tokens 16 --json "$OUT/speed_$kv.json" 2>&1 \
+    | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|error"
+done
+
+echo "== summary"
+tail -n 3 "$OUT/tests.txt"
+grep -E "^\| 32/" "$OUT/attention.md" | grep -E "SDPA|kivi-4" | head -n 12
+for kv in $E2E_CACHES; do echo "$kv: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_$kv.txt")"; done
