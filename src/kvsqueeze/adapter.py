@@ -140,15 +140,16 @@ def resolve_backend(name: str, device: torch.device) -> Callable:
     return mod.attend
 
 
-def fast_encoder(fmt, x: torch.Tensor):
+def fast_encoder(fmt, x: torch.Tensor, into=None):
     """The Triton quantize-and-pack for CUDA tensors (``KVSQUEEZE_TRITON_ENCODE=0`` switches it off, ``=1`` also
-    uses it for CPU tensors under Triton's interpreter); None hands the tokens back to the torch codec."""
+    uses it for CPU tensors under Triton's interpreter); None hands the tokens back to the torch codec.  ``into``
+    (a pooled store's PoolTarget): written into the pool's slots in place."""
     flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
     if flag == "0" or not (x.is_cuda or flag == "1"):
         return None
     from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
 
-    return triton_pack.encode(fmt, x)
+    return triton_pack.encode(fmt, x, into)
 
 
 # ---------------------------------------------------------------------------------------------- attention

@@ -108,8 +108,8 @@ def test_codecs_route_to_triton_when_forced(tp, monkeypatch):
     calls = []
     real = tp.encode
 
-    def spy(fmt, x):
-        out = real(fmt, x)
+    def spy(fmt, x, into=None):
+        out = real(fmt, x, into)
         calls.append(out is not None)
         return out
 

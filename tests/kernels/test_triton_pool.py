@@ -160,3 +160,31 @@ def test_pooled_prefill_matches_reference(monkeypatch):
     layer = _pool_layer("kivi-2-sink4", stored=200, new=20)
     assert triton_decode.path(query_for(layer, 4, 20), layer.plan()) == "triton-prefill"
     assert_matches_reference(triton_decode.attend, layer, 4, 20, padding_mask(layer, 20, [3, 0]))
+
+
+@pytest.mark.parametrize("spec", ["kivi-2-sink4", "k8t16-v4c16-w16", "k3t32-v4t32-w8-s1"])
+def test_pack_writes_straight_into_the_pool_bit_for_bit(monkeypatch, spec):
+    """The Triton quantize-and-pack writes a pooled store's new tokens into their slots (no parts tensors, no
+    copy): every stored byte equals the torch encoder's in separate blocks, across block and pool growth."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    require_triton_runtime()
+    from kvsqueeze.adapter import fast_encoder
+    from kvsqueeze.kernels import triton_pack
+
+    monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "1")
+    calls = []
+    real = triton_pack.encode
+    monkeypatch.setattr(triton_pack, "encode", lambda fmt, x, into=None: calls.append(into) or real(fmt, x, into))
+    kw = dict(batch=2, kv_heads=2, head_dim=32, stored=300, steps=40, device=TRITON_DEVICE)
+    pooled = filled_layer(small_blocks(spec), pooled=True, fast_encode=fast_encoder, **kw)
+    plain = filled_layer(small_blocks(spec), pooled=False, **kw)
+    assert calls and all(c is not None for c in calls)  # every append went into the pool
+    assert pooled.store.pool.generation > 0
+    _check_table(pooled)
+    for a, b in zip(pooled.store.blocks, plain.store.blocks):
+        assert a.used == b.used and a.start == b.start
+        for key, t in b.parts.items():
+            rows = a.used // dict(pooled.store._layouts())[key].tokens_per_row
+            assert torch.equal(a.parts[key][:, :, :rows], t[:, :, :rows]), key
+    _twin_outputs_equal(pooled, plain)

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.format import StorageFormat
 from .arena import BlockArena
 from .codecs import Codec
-from .plan import STORED, Memo, PoolRun, Segment
+from .plan import STORED, Memo, PoolRun, PoolTarget, Segment
 from .pool import BlockPool
 
-# an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline
-FastEncoder = Callable[[StorageFormat, torch.Tensor], "dict[str, torch.Tensor] | None"]
+# an encoder that may replace a codec's for a format (the Triton quantize-and-pack): parts, or None to decline;
+# given a PoolTarget it writes the parts into the pool's slots in place (and returns an empty dict)
+FastEncoder = Callable[..., "dict[str, torch.Tensor] | None"]
 
 SPARE_BLOCKS = 2  # dropped blocks a store keeps for its next ones (a crop or an eviction drops one at a time)
 
@@ -135,27 +135,44 @@ class BlockStore:
     def _decode(self, side: str, parts: dict[str, torch.Tensor], start: int) -> torch.Tensor:
         return self.codecs[side].decode(parts, start, self.shared[side])
 
+    def _encode_into_pool(self, side: str, x: torch.Tensor) -> bool:
+        """Pack one side's new tokens straight into their slots (the fast encoder with a pool), if it can."""
+        codec = self.codecs[side]
+        if self.pool is None or self.fast_encode is None or not codec.fmt.plain:
+            return False
+        parts = {key.split(".", 1)[1]: t for key, t in self.pool.tensors.items() if key.startswith(f"{side}.")}
+        target = PoolTarget(parts, self.pool.table, self.end, self.block_tokens)
+        return self.fast_encode(codec.fmt, x, into=target) is not None
+
+    def _blocks_for(self, t: int) -> list[_Block]:
+        """New blocks for ``t`` more tokens after the last stored one (not yet in the store's list)."""
+        new_blocks, last = [], (self.blocks[-1] if self.blocks else None)
+        free = (self.block_tokens - last.used) if last is not None else 0
+        need = t - free
+        while need > 0:
+            new_blocks.append(self._new_block(self.end + free + len(new_blocks) * self.block_tokens))
+            need -= self.block_tokens
+        return new_blocks
+
     def append(self, k: torch.Tensor, v: torch.Tensor, base: int = 0) -> None:
         """Encode tokens [B,H,T,D] once and write them after the last stored token (absolute position of store
-        index 0: ``base``).  A failure leaves the store unchanged."""
+        index 0: ``base``).  A failure leaves the store unchanged: blocks are taken first, but counted only once
+        every part is written (a pooled store's fast encoder writes its parts into their slots directly)."""
         t = k.shape[2]
         if t == 0:
             return
         shared_before = {side: dict(d) for side, d in self.shared.items()}
+        new_blocks = self._blocks_for(t)
         try:
-            encoded = {f"k.{n}": p for n, p in self._encode("k", k, base + self.end).items()}
-            encoded.update({f"v.{n}": p for n, p in self._encode("v", v, base + self.end).items()})
+            encoded = {}
+            for side, x in (("k", k), ("v", v)):
+                if not self._encode_into_pool(side, x):
+                    encoded.update({f"{side}.{n}": p for n, p in self._encode(side, x, base + self.end).items()})
         except BaseException:
             self.shared = shared_before  # a scale fixed by a failed encode must not outlive it
+            self._drop(new_blocks)
             raise
         layouts = dict(self._layouts())
-        # allocate every block needed before writing anything, so a failure leaves the store unchanged
-        new_blocks, pos, last = [], self.end, (self.blocks[-1] if self.blocks else None)
-        free = (self.block_tokens - last.used) if last is not None else 0
-        need = t - free
-        while need > 0:
-            new_blocks.append(self._new_block(pos + free + len(new_blocks) * self.block_tokens))
-            need -= self.block_tokens
         self.blocks.extend(new_blocks)
         written = 0
         for blk in self.blocks:

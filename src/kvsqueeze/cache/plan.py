@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,17 @@ class PoolRun:
     table: torch.Tensor
     first: int
     n_tokens: int
+    start: int
+    block_tokens: int
+
+
+class PoolTarget(NamedTuple):
+    """Where an encoder may write one side's new tokens in place (a pooled store): that side's pool tensors by part
+    name ([slots, B, H, rows, ...]), the block table (every slot the tokens reach already in it), the store index
+    of the first new token and the tokens per slot."""
+
+    parts: dict[str, torch.Tensor]
+    table: torch.Tensor
     start: int
     block_tokens: int
 

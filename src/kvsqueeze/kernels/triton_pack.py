@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..cache.plan import PoolTarget
 from ..quant.format import StorageFormat
 from ..quant.nonfinite import LIMIT
 from ..quant.params import scale_floor
@@ -29,7 +30,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from .triton_common import token_rows
+
 ROWS = 16  # tokens per program of the per-token kernel
+
 _PKIND = {"fp32": 0, "fp16": 1, "bf16": 2}
 _PNAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _PMAX = {0: float(torch.finfo(torch.float32).max), 1: float(torch.finfo(torch.float16).max),
@@ -110,16 +114,17 @@ if HAS_TRITON:
         return q.to(tl.int32), s, z
 
     @triton.jit
-    def _pack_store(c_ptr, codes, rows, r_ok, BR: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-        """Store int32 codes [BR, D] of token rows ``rows`` packed along channels as pack_bits packs them."""
+    def _pack_store(c_ptr, codes, co, r_ok, BR: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+        """Store int32 codes [BR, D] packed along channels as pack_bits packs them, token i's bytes from offset
+        co[i]."""
         if BITS >= 5:  # one code per byte
             ch = tl.arange(0, D)
-            tl.store(c_ptr + rows[:, None] * D + ch[None, :], codes.to(tl.uint8), mask=r_ok[:, None])
+            tl.store(c_ptr + co[:, None] + ch[None, :], codes.to(tl.uint8), mask=r_ok[:, None])
         elif BITS == 3:  # 8 codes in a little-endian 24-bit word, stored as 3 bytes
             NU: tl.constexpr = D // 8
             word = tl.sum(tl.reshape(codes, (BR, NU, 8)) << (tl.arange(0, 8) * 3)[None, None, :], axis=2)
             u = tl.arange(0, NU)
-            base = c_ptr + rows[:, None] * (NU * 3) + u[None, :] * 3
+            base = c_ptr + co[:, None] + u[None, :] * 3
             for j in tl.static_range(3):
                 tl.store(base + j, ((word >> (8 * j)) & 255).to(tl.uint8), mask=r_ok[:, None])
         else:  # 8 // BITS codes per byte, first code in the lowest bits; fields do not overlap, so sum == or
@@ -127,13 +132,16 @@ if HAS_TRITON:
             NB: tl.constexpr = D // PER
             byte = tl.sum(tl.reshape(codes, (BR, NB, PER)) << (tl.arange(0, PER) * BITS)[None, None, :], axis=2)
             nb = tl.arange(0, NB)
-            tl.store(c_ptr + rows[:, None] * NB + nb[None, :], byte.to(tl.uint8), mask=r_ok[:, None])
+            tl.store(c_ptr + co[:, None] + nb[None, :], byte.to(tl.uint8), mask=r_ok[:, None])
 
     @triton.jit
-    def _pack_token_kernel(x_ptr, c_ptr, s_ptr, z_ptr, n_rows, clip, floor,
+    def _pack_token_kernel(x_ptr, c_ptr, s_ptr, z_ptr, table_ptr, n_rows, T, H, start,
+                           cs_slot, cs_b, cs_h, cs_r, ps_slot, ps_b, ps_h, ps_r, clip, floor,
                            D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
-                           SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr):
-        """Per-token groups: x [n_rows, D] in groups of G channels -> codes, params [n_rows, D // G]."""
+                           SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr,
+                           PAGED: tl.constexpr, BLK: tl.constexpr):
+        """Per-token groups: x [B, H, T, D] (n_rows = B H T rows) in groups of G channels -> codes and params
+        [.., D // G] per token, written where token_rows puts them (a pool's slots, or [B, H, T, ..] outputs)."""
         NG: tl.constexpr = D // G
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         r_ok = rows < n_rows
@@ -144,29 +152,43 @@ if HAS_TRITON:
         mn = tl.min(for_min, axis=2)
         mx = tl.max(for_max, axis=2)
         q, s, z = _quantize(x, mn[:, :, None], mx[:, :, None], clip, floor, BITS, SYM, PKIND, PMAX)
-        p_off = rows[:, None] * NG + gi[None, :]
+        bh = rows // T
+        t = rows % T
+        co = token_rows(t, r_ok, start, table_ptr, bh // H, bh % H, cs_slot, cs_b, cs_h, cs_r, PAGED, BLK, 1)
+        po = token_rows(t, r_ok, start, table_ptr, bh // H, bh % H, ps_slot, ps_b, ps_h, ps_r, PAGED, BLK, 1)
+        p_off = po[:, None] + gi[None, :]
         tl.store(s_ptr + p_off, tl.reshape(s, (BR, NG)), mask=r_ok[:, None])
         if not SYM:
             tl.store(z_ptr + p_off, tl.reshape(z, (BR, NG)), mask=r_ok[:, None])
-        _pack_store(c_ptr, tl.reshape(q, (BR, D)), rows, r_ok, BR, D, BITS)
+        _pack_store(c_ptr, tl.reshape(q, (BR, D)), co, r_ok, BR, D, BITS)
 
     @triton.jit
-    def _pack_channel_kernel(x_ptr, c_ptr, s_ptr, z_ptr, clip, floor,
+    def _pack_channel_kernel(x_ptr, c_ptr, s_ptr, z_ptr, table_ptr, T, H, start,
+                             cs_slot, cs_b, cs_h, cs_r, ps_slot, ps_b, ps_h, ps_r, clip, floor,
                              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                             SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr):
-        """Per-channel groups: one program per group of G tokens; x [G, D] -> codes, params [D]."""
+                             SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr,
+                             PAGED: tl.constexpr, BLK: tl.constexpr):
+        """Per-channel groups: one program per group of G tokens of one (sequence, head); x [G, D] -> codes and
+        params [D] (one parameter row per group)."""
         grp = tl.program_id(0)
-        rows = grp * G + tl.arange(0, G)
+        NGT = T // G
+        bh = grp // NGT
+        t = (grp % NGT) * G + tl.arange(0, G)
         ch = tl.arange(0, D)
-        x = tl.load(x_ptr + rows[:, None] * D + ch[None, :]).to(tl.float32)
+        x = tl.load(x_ptr + (bh * T + t)[:, None] * D + ch[None, :]).to(tl.float32)
         x, for_min, for_max = _finite(x, LIM)
         mn = tl.min(for_min, axis=0)
         mx = tl.max(for_max, axis=0)
         q, s, z = _quantize(x, mn[None, :], mx[None, :], clip, floor, BITS, SYM, PKIND, PMAX)
-        tl.store(s_ptr + grp * D + ch[None, :], s)
+        ok = t >= 0
+        co = token_rows(t, ok, start, table_ptr, bh // H, bh % H, cs_slot, cs_b, cs_h, cs_r, PAGED, BLK, 1)
+        # the group's one parameter row, as a [G, D] block of identical rows: every token stores the same values
+        po = token_rows(t, ok, start, table_ptr, bh // H, bh % H, ps_slot, ps_b, ps_h, ps_r, PAGED, BLK, G)
+        first = tl.arange(0, G) == 0
+        tl.store(s_ptr + po[:, None] + ch[None, :], s + tl.zeros((G, D), tl.float32), mask=first[:, None])
         if not SYM:
-            tl.store(z_ptr + grp * D + ch[None, :], z)
-        _pack_store(c_ptr, q, rows, rows >= 0, G, D, BITS)
+            tl.store(z_ptr + po[:, None] + ch[None, :], z + tl.zeros((G, D), tl.float32), mask=first[:, None])
+        _pack_store(c_ptr, q, co, ok, G, D, BITS)
 
 
 def supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
@@ -181,31 +203,43 @@ def supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
     return fmt.axis == "token" or x.shape[2] % g == 0  # a ragged per-channel call raises in torch
 
 
-def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The stored parts of ``x`` [B, H, T, D] in ``fmt`` computed by Triton, or None when not supported here."""
+def _strides4(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
+    return (t.stride(0), t.stride(1), t.stride(2), t.stride(3)) if paged else (0, t.stride(0), t.stride(1), t.stride(2))
+
+
+def encode(fmt: StorageFormat, x: torch.Tensor, into: PoolTarget | None = None) -> dict[str, torch.Tensor] | None:
+    """The stored parts of ``x`` [B, H, T, D] in ``fmt`` computed by Triton, or None when not supported here.
+    ``into``: write them straight into a pool's slots instead (the store's tokens from ``into.start`` on; every
+    slot they reach already in the table) and return an empty dict."""
     if not available() or not supports(fmt, x):
         return None
     b, h, t, d = x.shape
     g, bits, pname = fmt.group, fmt.bits, _PNAME[fmt.param_dtype]
     x = x.contiguous()
     nbytes = d * bits // 8 if bits <= 4 else d
-    codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device)
-    pshape = (b, h, t, d // g) if fmt.axis == "token" else (b, h, t // g, d)
-    scale = torch.empty(pshape, dtype=fmt.param_dtype, device=x.device)
-    zero = None if fmt.symmetric else torch.empty_like(scale)
+    if into is None:
+        codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device)
+        pshape = (b, h, t, d // g) if fmt.axis == "token" else (b, h, t // g, d)
+        scale = torch.empty(pshape, dtype=fmt.param_dtype, device=x.device)
+        zero = None if fmt.symmetric else torch.empty_like(scale)
+        out = {"codes": codes, "scale": scale, **({} if zero is None else {"zero": zero})}
+        table, start, blk = codes, 0, 1
+    else:
+        codes, scale = into.parts["codes"], into.parts["scale"]
+        zero = into.parts.get("zero")
+        out, table, start, blk = {}, into.table, into.start, into.block_tokens
+    paged = into is not None
     pk = _PKIND[pname]
-    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk], LIM=LIMIT)
+    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk], LIM=LIMIT, PAGED=paged, BLK=blk)
     z_arg = scale if zero is None else zero
     floor = scale_floor(pname)
+    args = (x, codes, scale, z_arg, table)
+    st = (*_strides4(codes, paged), *_strides4(scale, paged), float(fmt.clip), floor)
     # no FMA contraction: every product is rounded as torch rounds it
     if fmt.axis == "token":
         n = b * h * t
-        _pack_token_kernel[(triton.cdiv(n, ROWS),)](x, codes, scale, z_arg, n, float(fmt.clip), floor, BR=ROWS,
-                                                    enable_fp_fusion=False, **consts)
+        _pack_token_kernel[(triton.cdiv(n, ROWS),)](*args, n, t, h, start, *st, BR=ROWS, enable_fp_fusion=False,
+                                                    **consts)
     else:
-        _pack_channel_kernel[(b * h * t // g,)](x, codes, scale, z_arg, float(fmt.clip), floor,
-                                                enable_fp_fusion=False, **consts)
-    out = {"codes": codes, "scale": scale}
-    if zero is not None:
-        out["zero"] = zero
+        _pack_channel_kernel[(b * h * t // g,)](*args, t, h, start, *st, enable_fp_fusion=False, **consts)
     return out
