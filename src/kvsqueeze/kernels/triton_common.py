@@ -26,9 +26,11 @@ try:  # Triton is optional
 except ImportError:  # pragma: no cover - exercised where Triton is missing
     HAS_TRITON = False
 
-FAST_BITS = (2, 4, 8)
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP_SIDE = (0, 16, 1, False)  # (kind, bits, group, symmetric) of full-precision tokens
+# (kind, bits, group, symmetric) of a side: kind 0 full precision, 1 integer per-token groups, 2 integer per-channel
+# groups, 3 / 4 fp8 e4m3 / e5m2 with one scale per token (or per head / tensor, shared)
+FP_SIDE = (0, 16, 1, False)
+FP8_KINDS = {"e4m3": 3, "e5m2": 4}
 
 
 def interpreting() -> bool:
@@ -69,12 +71,29 @@ if HAS_TRITON:
     def load_rows(x_ptr, s_ptr, z_ptr, xo, po, t_ok, ch,
                   KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr):
         """[BT, D] float32 values of the tokens whose code rows start at ``xo`` and parameter rows at ``po``;
-        KIND 0 full precision, 1 per-token groups of G channels, 2 per-channel (parameters [D] per row)."""
+        KIND 0 full precision, 1 per-token groups of G channels, 2 per-channel (parameters [D] per row), 3 / 4 fp8
+        e4m3 / e5m2 times the row's scale (parameter column 0)."""
         if KIND == 0:
             return tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        PER: tl.constexpr = 8 // BITS
-        byte = tl.load(x_ptr + xo[:, None] + (ch // PER)[None, :], mask=t_ok[:, None], other=0)
-        code = ((byte.to(tl.int32) >> ((ch % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND >= 3:
+            byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
+            if KIND == 3:
+                f = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                f = byte.to(tl.float8e5, bitcast=True).to(tl.float32)
+            return f * tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+        if BITS == 3:  # 8 codes in a little-endian 24-bit word (3 bytes); a code may straddle two bytes
+            bit = (ch % 8) * 3
+            idx = (ch // 8) * 3 + bit // 8
+            sh = bit % 8
+            lo = tl.load(x_ptr + xo[:, None] + idx[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+            hi = tl.load(x_ptr + xo[:, None] + (idx + 1)[None, :], mask=t_ok[:, None] & (sh > 5)[None, :],
+                         other=0).to(tl.int32)
+            code = (((lo | (hi << 8)) >> sh[None, :]) & 7).to(tl.float32)
+        else:  # 8 // BITS codes per byte (one for 5-8 bits), first code in the lowest bits
+            PER: tl.constexpr = 8 // BITS
+            byte = tl.load(x_ptr + xo[:, None] + (ch // PER)[None, :], mask=t_ok[:, None], other=0)
+            code = ((byte.to(tl.int32) >> ((ch % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
         if KIND == 1:
             p_off = po[:, None] + (ch // G)[None, :]
         else:
@@ -92,8 +111,12 @@ def side(fmt: StorageFormat | None) -> tuple[int, int, int, bool] | None:
     """(kind, bits, group, symmetric) for the kernels, or None when the format needs the reference."""
     if fmt is None or fmt.kind == "fp":
         return FP_SIDE
-    if fmt.kind == "int" and fmt.plain and fmt.bits in FAST_BITS and fmt.param_dtype in PARAM_DTYPES:
+    if not fmt.plain or fmt.param_dtype not in PARAM_DTYPES:
+        return None
+    if fmt.kind == "int" and fmt.bits in range(1, 9):
         return (1 if fmt.axis == "token" else 2), fmt.bits, fmt.group, fmt.symmetric
+    if fmt.kind == "fp8" and fmt.fp8_variant in FP8_KINDS:
+        return FP8_KINDS[fmt.fp8_variant], 8, 1, False
     return None
 
 
@@ -104,10 +127,17 @@ def _strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
     return 0, t.stride(0), t.stride(1), t.stride(2)
 
 
+def _shared_strides(s: torch.Tensor) -> tuple[int, int, int, int]:
+    """Strides of a per-head [B, H, 1, 1] or per-tensor [B, 1, 1, 1] fp8 scale read for every token."""
+    return 0, s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0, 0
+
+
 def side_args(fmt: StorageFormat | None, parts: Mapping[str, torch.Tensor] | None = None,
-              x: torch.Tensor | None = None, paged: bool = False) -> tuple[tuple, tuple, int]:
+              x: torch.Tensor | None = None, paged: bool = False,
+              shared: Mapping[str, torch.Tensor] | None = None) -> tuple[tuple, tuple, int]:
     """Kernel arguments of one side: (x, scale, zero) tensors, their strides (codes' 4, then parameters' 4) and
-    the tokens per parameter row.  ``x``: a full-precision segment [B, H, n, D]; else ``parts`` as stored."""
+    the tokens per parameter row.  ``x``: a full-precision segment [B, H, n, D]; else ``parts`` as stored, and
+    the side's ``shared`` tensors (an fp8 scale fixed per head or tensor)."""
     if x is not None or fmt is None or fmt.kind == "fp":
         if x is None:
             x = parts["x"]
@@ -115,10 +145,20 @@ def side_args(fmt: StorageFormat | None, parts: Mapping[str, torch.Tensor] | Non
             x = x.contiguous()
         st = _strides(x, paged)
         return (x, x, x), st + st, 1
-    s = parts["scale"]
     xs = parts["codes"]
+    if fmt.kind == "fp8" and fmt.fixed_scale:
+        s = shared["scale"]
+        return (xs, s, s), _strides(xs, paged) + _shared_strides(s), 1
+    s = parts["scale"]
     return (xs, s, parts.get("zero", s)), _strides(xs, paged) + _strides(s, paged), \
-        fmt.group if fmt.axis == "channel" else 1
+        fmt.group if fmt.kind == "int" and fmt.axis == "channel" else 1
+
+
+def stored_args(plan, k_parts: Mapping[str, torch.Tensor], v_parts: Mapping[str, torch.Tensor],
+                paged: bool = False) -> tuple[tuple, tuple]:
+    """side_args of both sides of a plan's stored tokens: a pool's tensors (``paged``) or one stored segment's."""
+    return (side_args(plan.key_format, k_parts, paged=paged, shared=plan.key_shared),
+            side_args(plan.value_format, v_parts, paged=paged, shared=plan.value_shared))
 
 
 def mask_args(mask: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int], int]:

@@ -15,8 +15,10 @@ masks read in place.  Steps longer than ``MAX_QUERIES`` tokens (prefill on top o
 :mod:`kvsqueeze.kernels.triton_prefill`, which tiles the queries too.  Quantize-and-pack on append is
 :mod:`kvsqueeze.kernels.triton_pack`.
 
-Supported in the fused kernel: fp blocks of the model dtype, integer codes of 2/4/8 bits (1 and 3 bits and fp8
-go to the reference), per-channel or per-token groups, symmetric or not, fp32/fp16/bf16 parameters.
+Supported in the fused kernels (decode and prefill; tests/kernels/test_triton_formats.py): fp blocks of the model
+dtype, integer codes of 1-8 bits per channel or per token groups, symmetric or not, and fp8 e4m3/e5m2 with a scale
+per token, head or tensor, all with fp32/fp16/bf16 parameters.  Calibrated layouts (permuted, clipped per group,
+transformed, pre-RoPE) and rotated codebooks take the reference, and ``path`` says so.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .triton_common import (
     mask_args,
     side,
     side_args,
+    stored_args,
 )
 
 if HAS_TRITON:
@@ -192,8 +195,8 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     ks, vs = side(plan.key_format), side(plan.value_format)
     work: list[_Launch] = []
     if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
-        work.append(_Launch(pool.start, pool.n_tokens, side_args(plan.key_format, pool.parts["k"], paged=True),
-                            side_args(plan.value_format, pool.parts["v"], paged=True), ks, vs, mkind, pool))
+        work.append(_Launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
+                            ks, vs, mkind, pool))
     for seg in plan.segments:
         if not seg.length:
             continue
@@ -202,8 +205,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             work.append(_Launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v),
                                 FP_SIDE, FP_SIDE, kind))
         elif pool is None:
-            work.append(_Launch(seg.start, seg.length, side_args(plan.key_format, seg.k_parts),
-                                side_args(plan.value_format, seg.v_parts), ks, vs, mkind))
+            work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
     splits = [triton.cdiv(w.n, chunk) for w in work]
     total = sum(splits)
     dev = query.device

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
-from .triton_common import FP_SIDE, HAS_TRITON, mask_args, side, side_args
+from .triton_common import FP_SIDE, HAS_TRITON, mask_args, side, side_args, stored_args
 
 if HAS_TRITON:
     import triton
@@ -133,14 +133,13 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
     ks, vs = side(plan.key_format), side(plan.value_format)
     pool = plan.pool
     if pool is not None:  # every stored token in one launch through the block table (the merge is order-free)
-        launch(pool.start, pool.n_tokens, side_args(plan.key_format, pool.parts["k"], paged=True),
-               side_args(plan.value_format, pool.parts["v"], paged=True), ks, vs, hist_kind, pool)
+        launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True), ks, vs,
+               hist_kind, pool)
     for seg in plan.segments:
         if seg.kind == EXACT:
             launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v), FP_SIDE, FP_SIDE,
                    (3 if mask is None else hist_kind) if seg.is_new else hist_kind)
         elif pool is None:
-            launch(seg.start, seg.length, side_args(plan.key_format, seg.k_parts),
-                   side_args(plan.value_format, seg.v_parts), ks, vs, hist_kind)
+            launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, hist_kind)
     out = acc / l_state.clamp_min(1e-30)[..., None]
     return out.reshape(b, hq, lq, d).to(query.dtype)
