@@ -1,6 +1,6 @@
 """Every storage format the Triton kernels serve, against the reference: integer codes of 1-8 bits per token or
 per channel (symmetric or not, fp32/fp16/bf16 parameters) and fp8 e4m3/e5m2 with per-token, per-head or
-per-tensor scales, through the decode (a pool walked in one launch, or block by block) and the prefill.
+per-tensor scales and rotated codebooks (plain or centred, fractional widths), through the decode (a pool walked in one launch, or block by block) and the prefill.
 Under TRITON_INTERPRET=1 on CPU (small shapes), on CUDA when there is one."""
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def _int(bits: int, axis: str, group: int, sym: bool = False, pdt: str = "fp16")
     return QuantSpec(fmt="int", bits=bits, axis=axis, group=group, symmetric=sym, param_dtype=pdt)
 
 
+def _rot(bits: float, centred: bool = False, pdt: str = "fp16") -> QuantSpec:
+    return QuantSpec(fmt="rot", bits=bits, param_dtype=pdt, **({"axis": "channel", "group": 32} if centred else {}))
+
+
 def _fp8(variant: str, scale: str, pdt: str = "fp32") -> QuantSpec:
     return QuantSpec(fmt=f"fp8-{variant}", fp8_scale=scale, param_dtype=pdt)
 
@@ -42,6 +46,11 @@ CASES = {
     "4-bit c sym bf16 / 3-bit t sym": (_int(4, "channel", 32, sym=True, pdt="bf16"), _int(3, "token", 8, sym=True)),
     "fp8 e4m3 token / e5m2 token": (_fp8("e4m3", "token", "fp16"), _fp8("e5m2", "token")),
     "fp8 e4m3 head / e5m2 tensor": (_fp8("e4m3", "head"), _fp8("e5m2", "tensor")),
+    # rotated codebooks: scores against the rotated query, values un-rotated after the stored tokens
+    "rot 2.75 centred / rot 2.5": (_rot(2.75, centred=True), _rot(2.5)),
+    "rot 3.25 / int 4-bit t": (_rot(3.25), _int(4, "token", 32)),
+    "int 3-bit c / rot 1.5 centred bf16": (_int(3, "channel", 32), _rot(1.5, centred=True, pdt="bf16")),
+    "rot 4 / rot 2": (_rot(4), _rot(2)),
 }
 
 
@@ -80,8 +89,8 @@ def test_prefill_serves_the_format(td, case):
 
 
 def test_formats_it_does_not_serve_take_the_reference_and_say_so(td):
-    spec = dataclasses.replace(CacheSpec(key=QuantSpec(fmt="rot", bits=3), value=_int(4, "token", 32), window=8),
-                               block_tokens=32)
+    spec = dataclasses.replace(CacheSpec(key=QuantSpec(fmt="rot-qjl", bits=3), value=_int(4, "token", 32),
+                                         window=8), block_tokens=32)
     layer = filled_layer(spec, batch=1, kv_heads=1, head_dim=32, stored=80, pooled=True, device=TRITON_DEVICE)
     q = query_for(layer, 2, 1)
     assert td.path(q, layer.plan()) == "reference"

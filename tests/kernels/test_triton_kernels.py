@@ -51,7 +51,7 @@ def test_unsupported_layouts_fall_back(td):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int4", "int8", "full"])
+@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int4", "int8", "full", "rot-3", "fp8-e4m3"])
 def test_fused_decode_on_gpu(spec):
     from kvsqueeze.kernels import triton_decode
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
+from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
 
 try:  # Triton is optional
@@ -27,10 +29,31 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     HAS_TRITON = False
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# (kind, bits, group, symmetric) of a side: kind 0 full precision, 1 integer per-token groups, 2 integer per-channel
-# groups, 3 / 4 fp8 e4m3 / e5m2 with one scale per token (or per head / tensor, shared)
-FP_SIDE = (0, 16, 1, False)
 FP8_KINDS = {"e4m3": 3, "e5m2": 4}
+
+
+class Side(NamedTuple):
+    """A side's layout as the kernels' constants: kind (see load_rows: 0 full precision, 1/2 integer per token /
+    per channel, 3/4 fp8, 5/6 rotated codebook plain / centred), bits (rotated: the low width), group, symmetric,
+    and for rotated codes how many coordinates take the high width and the C++ kernel's rotation + level table."""
+
+    kind: int
+    bits: int
+    group: int
+    sym: bool
+    nhi: int = 0
+    table: torch.Tensor | None = None
+
+    @property
+    def rotated(self) -> bool:
+        return self.kind >= 5
+
+    def consts(self, p: str) -> dict:
+        return {f"{p}KIND": self.kind, f"{p}BITS": self.bits, f"{p}G": self.group, f"{p}SYM": self.sym,
+                f"{p}NHI": self.nhi}
+
+
+FP_SIDE = Side(0, 16, 1, False)
 
 
 def interpreting() -> bool:
@@ -68,32 +91,54 @@ if HAS_TRITON:
         return slot * s_slot + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + row.to(tl.int64) * s_row
 
     @triton.jit
-    def load_rows(x_ptr, s_ptr, z_ptr, xo, po, t_ok, ch,
-                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr):
-        """[BT, D] float32 values of the tokens whose code rows start at ``xo`` and parameter rows at ``po``;
-        KIND 0 full precision, 1 per-token groups of G channels, 2 per-channel (parameters [D] per row), 3 / 4 fp8
-        e4m3 / e5m2 times the row's scale (parameter column 0)."""
+    def _codes(x_ptr, xo, i, base, t_ok, c_ok, BITS: tl.constexpr):
+        """int32 codes of elements ``i`` (a vector) of the rows at ``xo``, packed from byte ``base`` on as
+        pack_bits packs BITS-bit codes; ``c_ok`` masks elements that are not in this run."""
+        ok = t_ok[:, None] & c_ok[None, :]
+        if BITS == 3:  # 8 codes in a little-endian 24-bit word (3 bytes); a code may straddle two bytes
+            bit = (i % 8) * 3
+            idx = base + (i // 8) * 3 + bit // 8
+            sh = bit % 8
+            lo = tl.load(x_ptr + xo[:, None] + idx[None, :], mask=ok, other=0).to(tl.int32)
+            hi = tl.load(x_ptr + xo[:, None] + (idx + 1)[None, :], mask=ok & (sh > 5)[None, :], other=0).to(tl.int32)
+            return ((lo | (hi << 8)) >> sh[None, :]) & 7
+        PER: tl.constexpr = 8 // BITS  # codes per byte (one for 5-8 bits), the first in the lowest bits
+        byte = tl.load(x_ptr + xo[:, None] + (base + i // PER)[None, :], mask=ok, other=0).to(tl.int32)
+        return (byte >> ((i % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+    @triton.jit
+    def load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch,
+                  KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, NHI: tl.constexpr,
+                  D: tl.constexpr, W: tl.constexpr):
+        """[BT, D] float32 values of the tokens whose code rows start at ``xo`` and parameter rows at ``po``
+        (``tg``: their indices for centring groups).  KIND 0 full precision; 1 integer per-token groups of G
+        channels; 2 integer per-channel (parameters [D] per row); 3 / 4 fp8 e4m3 / e5m2 times the row's scale
+        (parameter column 0); 5 / 6 rotated codebook codes, in the rotated space (the caller rotates the query
+        and un-rotates the output): levels from ``tab_ptr`` (rows D / D + 1 of the C++ kernel's table: the
+        (BITS + 1)-bit levels of the first NHI coordinates, the BITS-bit levels of the rest) times the token's
+        scale (5: parameter column 0; 6: column D + tg % G of its group's row, plus the group mean, columns 0..D)."""
         if KIND == 0:
             return tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        if KIND >= 3:
+        if KIND == 3 or KIND == 4:
             byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
             if KIND == 3:
                 f = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 f = byte.to(tl.float8e5, bitcast=True).to(tl.float32)
             return f * tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)[:, None]
-        if BITS == 3:  # 8 codes in a little-endian 24-bit word (3 bytes); a code may straddle two bytes
-            bit = (ch % 8) * 3
-            idx = (ch // 8) * 3 + bit // 8
-            sh = bit % 8
-            lo = tl.load(x_ptr + xo[:, None] + idx[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-            hi = tl.load(x_ptr + xo[:, None] + (idx + 1)[None, :], mask=t_ok[:, None] & (sh > 5)[None, :],
-                         other=0).to(tl.int32)
-            code = (((lo | (hi << 8)) >> sh[None, :]) & 7).to(tl.float32)
-        else:  # 8 // BITS codes per byte (one for 5-8 bits), first code in the lowest bits
-            PER: tl.constexpr = 8 // BITS
-            byte = tl.load(x_ptr + xo[:, None] + (ch // PER)[None, :], mask=t_ok[:, None], other=0)
-            code = ((byte.to(tl.int32) >> ((ch % PER) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        if KIND >= 5:
+            lo_ok = ch >= NHI
+            code = _codes(x_ptr, xo, ch - NHI, NHI * (BITS + 1) // 8, t_ok, lo_ok, BITS)
+            lv = tl.load(tab_ptr + (D + 1) * W + code, mask=t_ok[:, None], other=0.0)
+            if NHI > 0:
+                hi_code = _codes(x_ptr, xo, ch, 0, t_ok, ch < NHI, BITS + 1)
+                lv = tl.where(lo_ok[None, :], lv, tl.load(tab_ptr + D * W + hi_code, mask=t_ok[:, None], other=0.0))
+            if KIND == 5:
+                return lv * tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+            sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
+            mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            return lv * sc[:, None] + mean
+        code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
         if KIND == 1:
             p_off = po[:, None] + (ch // G)[None, :]
         else:
@@ -107,17 +152,52 @@ if HAS_TRITON:
         return code * a + c
 
 
-def side(fmt: StorageFormat | None) -> tuple[int, int, int, bool] | None:
-    """(kind, bits, group, symmetric) for the kernels, or None when the format needs the reference."""
+def side(fmt: StorageFormat | None) -> Side | None:
+    """A side's kernel constants, or None when the format needs the reference."""
     if fmt is None or fmt.kind == "fp":
         return FP_SIDE
     if not fmt.plain or fmt.param_dtype not in PARAM_DTYPES:
         return None
     if fmt.kind == "int" and fmt.bits in range(1, 9):
-        return (1 if fmt.axis == "token" else 2), fmt.bits, fmt.group, fmt.symmetric
+        return Side(1 if fmt.axis == "token" else 2, fmt.bits, fmt.group, fmt.symmetric)
     if fmt.kind == "fp8" and fmt.fp8_variant in FP8_KINDS:
-        return FP8_KINDS[fmt.fp8_variant], 8, 1, False
+        return Side(FP8_KINDS[fmt.fp8_variant], 8, 1, False)
+    if fmt.kind == "rot":
+        sp = split_bits(fmt.bits, fmt.head_dim)
+        centred = fmt.axis == "channel"
+        return Side(6 if centred else 5, sp.bits_lo, fmt.token_group if centred else 1, False, sp.n_hi,
+                    rotated_kernel_table(fmt.head_dim, fmt.bits))
     return None
+
+
+_DEVICE_TABLES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def device_table(sd: Side, device: torch.device) -> torch.Tensor | None:
+    """A rotated side's table on ``device`` (copied there once), else None."""
+    if sd.table is None:
+        return None
+    key = (id(sd.table), str(device))
+    if key not in _DEVICE_TABLES:  # rotated_kernel_table builds each table once, so ids stay valid
+        _DEVICE_TABLES[key] = sd.table.to(device)
+    return _DEVICE_TABLES[key]
+
+
+def rotate_query(q: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """q R (float32, contiguous): scores against rotated codes equal those against the decoded vectors."""
+    d = q.shape[-1]
+    return torch.matmul(q.float(), table[0, 0, :d, :d]).contiguous()
+
+
+def unrotate_rows(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """y R^T: weighted rotated values back to the original space (R is orthogonal)."""
+    d = y.shape[-1]
+    return torch.matmul(y, table[0, 0, :d, :d].transpose(0, 1))
+
+
+def table_width(d: int) -> int:
+    """Row width of the rotated formats' table (rotated_kernel_table)."""
+    return max(d, 16)
 
 
 def _strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
@@ -146,6 +226,9 @@ def side_args(fmt: StorageFormat | None, parts: Mapping[str, torch.Tensor] | Non
         st = _strides(x, paged)
         return (x, x, x), st + st, 1
     xs = parts["codes"]
+    if fmt.kind == "rot":  # scales (centred: a row per group holding the group means, then its tokens' scales)
+        s = parts["stats"] if fmt.axis == "channel" else parts["norm"]
+        return (xs, s, s), _strides(xs, paged) + _strides(s, paged), fmt.token_group if fmt.axis == "channel" else 1
     if fmt.kind == "fp8" and fmt.fixed_scale:
         s = shared["scale"]
         return (xs, s, s), _strides(xs, paged) + _shared_strides(s), 1

@@ -16,9 +16,11 @@ masks read in place.  Steps longer than ``MAX_QUERIES`` tokens (prefill on top o
 :mod:`kvsqueeze.kernels.triton_pack`.
 
 Supported in the fused kernels (decode and prefill; tests/kernels/test_triton_formats.py): fp blocks of the model
-dtype, integer codes of 1-8 bits per channel or per token groups, symmetric or not, and fp8 e4m3/e5m2 with a scale
-per token, head or tensor, all with fp32/fp16/bf16 parameters.  Calibrated layouts (permuted, clipped per group,
-transformed, pre-RoPE) and rotated codebooks take the reference, and ``path`` says so.
+dtype, integer codes of 1-8 bits per channel or per token groups, symmetric or not, fp8 e4m3/e5m2 with a scale
+per token, head or tensor, and rotated codebooks (plain or centred, fractional widths: the query is rotated once and
+the stored tokens' weighted values rotated back once, as the C++ kernel does), all with fp32/fp16/bf16 parameters.
+Calibrated layouts (permuted, clipped per group, transformed, pre-RoPE), ternary codes and rotated codes with a
+residual sketch take the reference, and ``path`` says so.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ from . import reference
 from .triton_common import (
     FP_SIDE,
     HAS_TRITON,
+    Side,
     available,
+    device_table,
     interpreting,
     mask_args,
+    rotate_query,
     side,
     side_args,
     stored_args,
+    table_width,
+    unrotate_rows,
 )
 
 if HAS_TRITON:
@@ -57,15 +64,18 @@ if HAS_TRITON:
     @triton.jit
     def _partials_kernel(
         q_ptr, m_ptr, l_ptr, acc_ptr, mask_ptr, table_ptr,
-        kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr,
+        kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr, kt_ptr, vt_ptr,
         kx_ss, kx_sb, kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr,
         vx_ss, vx_sb, vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr,
         m_sb, m_sq, m_sc,
         first, n_tok, col0, part0, n_parts, scaling,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
         CH: tl.constexpr, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
+        W: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
+        KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
+        VNHI: tl.constexpr,
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of a
         segment of n_tok tokens.  MASK: 0 none, 1 bool (uint8), 2 additive float, 3 causal among new tokens."""
@@ -85,9 +95,13 @@ if HAS_TRITON:
         for t0 in range(0, CH, BT):
             t = chunk * CH + t0 + tl.arange(0, BT)
             t_ok = t < n_tok
+            if PAGED:  # store indices: centring groups start at multiples of their size
+                tg = first + t
+            else:
+                tg = t
             xo = token_rows(t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr, PAGED, BLK, 1)
             po = token_rows(t, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
-            k = load_rows(kx_ptr, ks_ptr, kz_ptr, xo, po, t_ok, ch, KKIND, KBITS, KG, KSYM)
+            k = load_rows(kx_ptr, ks_ptr, kz_ptr, kt_ptr, xo, po, tg, t_ok, ch, KKIND, KBITS, KG, KSYM, KNHI, D, W)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [RP, BT]
             valid = r_ok[:, None] & t_ok[None, :]
             if MASK == 1:
@@ -106,7 +120,7 @@ if HAS_TRITON:
             corr = tl.exp(m - safe)
             xo = token_rows(t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
             po = token_rows(t, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
-            v = load_rows(vx_ptr, vs_ptr, vz_ptr, xo, po, t_ok, ch, VKIND, VBITS, VG, VSYM)
+            v = load_rows(vx_ptr, vs_ptr, vz_ptr, vt_ptr, xo, po, tg, t_ok, ch, VKIND, VBITS, VG, VSYM, VNHI, D, W)
             l_ = l_ * corr + tl.sum(p, axis=1)
             acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
@@ -152,8 +166,8 @@ class _Launch(NamedTuple):
     n: int
     k: tuple
     v: tuple
-    k_side: tuple
-    v_side: tuple
+    k_side: Side
+    v_side: Side
     mask_kind: int
     pool: PoolRun | None = None
 
@@ -193,19 +207,19 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     pool = plan.pool
     mask_t, mst, mkind = mask_args(mask, q)
     ks, vs = side(plan.key_format), side(plan.value_format)
-    work: list[_Launch] = []
+    work: list[_Launch] = []  # the stored tokens first: rotated values' partials are un-rotated as one range
     if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
         work.append(_Launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
                             ks, vs, mkind, pool))
     for seg in plan.segments:
-        if not seg.length:
-            continue
-        if seg.kind == EXACT:  # new tokens: causal among themselves unless a mask says otherwise
+        if seg.kind != EXACT and seg.length and pool is None:
+            work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
+    n_stored = len(work)
+    for seg in plan.segments:
+        if seg.kind == EXACT and seg.length:  # new tokens: causal among themselves unless a mask says otherwise
             kind = (3 if lq > 1 else 0) if seg.is_new and mask is None else mkind
             work.append(_Launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v),
                                 FP_SIDE, FP_SIDE, kind))
-        elif pool is None:
-            work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
     splits = [triton.cdiv(w.n, chunk) for w in work]
     total = sum(splits)
     dev = query.device
@@ -213,19 +227,25 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     l_buf = torch.empty_like(m_buf)
     acc_buf = torch.empty(b * hkv, total, r, d, device=dev)
     rp = triton.next_power_of_2(r)
+    k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
+    q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
-    for w, nsp in zip(work, splits):
+    for i, (w, nsp) in enumerate(zip(work, splits)):
         (kt, kst, kpr), (vt, vst, vpr) = w.k, w.v
         paged = w.pool is not None
         _partials_kernel[(b * hkv, nsp)](
-            q, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf, *kt, *vt, *kst, *vst, *mst,
+            q_rot if i < n_stored else q, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf,
+            *kt, *vt, k_tab if ks.rotated and i < n_stored else m_buf, v_tab if vs.rotated and i < n_stored else m_buf,
+            *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling),
             R=r, RP=rp, LQ=lq, D=d, HKV=hkv, CH=chunk, BT=bt, PAGED=paged,
-            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind,
-            KKIND=w.k_side[0], KBITS=w.k_side[1], KG=w.k_side[2], KSYM=w.k_side[3], KPR=kpr,
-            VKIND=w.v_side[0], VBITS=w.v_side[1], VG=w.v_side[2], VSYM=w.v_side[3], VPR=vpr,
+            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d),
+            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr,
         )
         part0 += nsp
+    if vs.rotated and n_stored:  # the stored tokens' weighted values back to the original space
+        n = sum(splits[:n_stored])
+        acc_buf[:, :n] = unrotate_rows(acc_buf[:, :n], v_tab)
     out = torch.empty_like(q)
     _combine_kernel[(b * hkv,)](m_buf, l_buf, acc_buf, out, total, R=r, RP=rp, D=d)
     return out

@@ -19,7 +19,18 @@ from __future__ import annotations
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
-from .triton_common import FP_SIDE, HAS_TRITON, mask_args, side, side_args, stored_args
+from .triton_common import (
+    FP_SIDE,
+    HAS_TRITON,
+    device_table,
+    mask_args,
+    rotate_query,
+    side,
+    side_args,
+    stored_args,
+    table_width,
+    unrotate_rows,
+)
 
 if HAS_TRITON:
     import triton
@@ -37,15 +48,17 @@ if HAS_TRITON:
     @triton.jit
     def _prefill_segment_kernel(
         q_ptr, m_ptr, l_ptr, acc_ptr, mask_ptr, table_ptr,
-        kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr,
+        kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr, kt_ptr, vt_ptr,
         kx_ss, kx_sb, kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr,
         vx_ss, vx_sb, vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr,
         msb, msr, msc,
         first, n_tok, col0, kpos0, qpos0, R, LQ,
         HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-        PREC: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr,
+        PREC: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, W: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
+        KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
+        VNHI: tl.constexpr,
     ):
         """MASK: 0 none, 1 bool mask (as uint8), 2 additive float mask, 3 causal by absolute position."""
         bh = tl.program_id(0)
@@ -63,9 +76,13 @@ if HAS_TRITON:
         for t0 in range(0, n_tok, BN):
             t_idx = t0 + tl.arange(0, BN)
             t_ok = t_idx < n_tok
+            if PAGED:  # store indices: centring groups start at multiples of their size
+                tg = first + t_idx
+            else:
+                tg = t_idx
             xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr, PAGED, BLK, 1)
             po = token_rows(t_idx, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
-            k = load_rows(kx_ptr, ks_ptr, kz_ptr, xo, po, t_ok, ch, KKIND, KBITS, KG, KSYM)
+            k = load_rows(kx_ptr, ks_ptr, kz_ptr, kt_ptr, xo, po, tg, t_ok, ch, KKIND, KBITS, KG, KSYM, KNHI, D, W)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BM, BN]
             valid = r_ok[:, None] & t_ok[None, :]
             if MASK == 1:
@@ -84,7 +101,7 @@ if HAS_TRITON:
             corr = tl.exp(m - safe)
             xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
             po = token_rows(t_idx, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
-            v = load_rows(vx_ptr, vs_ptr, vz_ptr, xo, po, t_ok, ch, VKIND, VBITS, VG, VSYM)
+            v = load_rows(vx_ptr, vs_ptr, vz_ptr, vt_ptr, xo, po, tg, t_ok, ch, VKIND, VBITS, VG, VSYM, VNHI, D, W)
             l_ = l_ * corr + tl.sum(p, axis=1)
             acc = acc * corr[:, None] + tl.dot(p, v, input_precision=PREC)
             m = m_new
@@ -116,30 +133,38 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
     grid = (b * hkv, triton.cdiv(r, bm))
     warps = 8 if d >= 128 else 4
 
-    def launch(start: int, n: int, kargs, vargs, ks, vs, mkind: int, pool=None) -> None:
+    ks, vs = side(plan.key_format), side(plan.value_format)
+    k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
+    q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
+
+    def launch(start: int, n: int, kargs, vargs, k_side, v_side, mkind: int, pool=None, stored=False) -> None:
         if n == 0:
             return
         (kt, kst, kpr), (vt, vst, vpr) = kargs, vargs
         _prefill_segment_kernel[grid](
-            q, m_state, l_state, acc, mask_arg, m_state if pool is None else pool.table, *kt, *vt, *kst, *vst,
-            *mst, 0 if pool is None else pool.first, n, start - first, start, plan.query_start, r, lq,
+            q_rot if stored else q, m_state, l_state, acc, mask_arg, m_state if pool is None else pool.table,
+            *kt, *vt, k_tab if stored and ks.rotated else m_state, v_tab if stored and vs.rotated else m_state,
+            *kst, *vst, *mst, 0 if pool is None else pool.first, n, start - first, start, plan.query_start, r, lq,
             HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, PREC=DOT_PRECISION, PAGED=pool is not None,
-            BLK=1 if pool is None else pool.block_tokens,
-            KKIND=ks[0], KBITS=ks[1], KG=ks[2], KSYM=ks[3], KPR=kpr,
-            VKIND=vs[0], VBITS=vs[1], VG=vs[2], VSYM=vs[3], VPR=vpr,
-            num_warps=warps,
+            BLK=1 if pool is None else pool.block_tokens, W=table_width(d),
+            **k_side.consts("K"), KPR=kpr, **v_side.consts("V"), VPR=vpr, num_warps=warps,
         )
 
-    ks, vs = side(plan.key_format), side(plan.value_format)
+    # the stored tokens first (the online softmax is order-free): rotated values leave the running sums in the
+    # rotated space, turned back once before the exact tokens add theirs
     pool = plan.pool
-    if pool is not None:  # every stored token in one launch through the block table (the merge is order-free)
+    if pool is not None:  # every stored token in one launch, through the block table
         launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True), ks, vs,
-               hist_kind, pool)
+               hist_kind, pool, stored=True)
+    for seg in plan.segments:
+        if seg.kind != EXACT and pool is None:
+            launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, hist_kind,
+                   stored=True)
+    if vs.rotated:
+        acc = unrotate_rows(acc, v_tab).contiguous()
     for seg in plan.segments:
         if seg.kind == EXACT:
             launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v), FP_SIDE, FP_SIDE,
                    (3 if mask is None else hist_kind) if seg.is_new else hist_kind)
-        elif pool is None:
-            launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, hist_kind)
     out = acc / l_state.clamp_min(1e-30)[..., None]
     return out.reshape(b, hq, lq, d).to(query.dtype)
