@@ -42,13 +42,6 @@ def test_fused_decode_matches_reference_interpreted(td, spec, new):
     assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0, 21]))
 
 
-def test_unsupported_layouts_fall_back(td):
-    layer = filled_layer("k3c32-v3t32-w32", batch=1, kv_heads=1, head_dim=32, stored=70, new=1, device=TRITON_DEVICE)
-    assert not td.supports(layer.plan())
-    q = query_for(layer, 1, 1)
-    assert torch.equal(td.attend(q, layer.plan(), None, 0.125), reference.attend(q, layer.plan(), None, 0.125))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int4", "int8", "full", "rot-3", "fp8-e4m3"])
