@@ -9,15 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvsqueeze.kernels import reference
-
 from ._helpers import (
     HAS_TRITON,
     TRITON_DEVICE,
     assert_matches_reference,
     filled_layer,
     padding_mask,
-    query_for,
     require_triton_runtime,
 )
 
