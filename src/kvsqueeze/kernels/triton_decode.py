@@ -8,12 +8,12 @@ pair; a program unpacks ``BLOCK_T`` tokens of codes at a time in registers (shif
 the group parameters there, scores all query rows of its KV head (GQA rows share the loads), keeps an online
 softmax and writes its partial (max, sum, weighted values).  Where the cache keeps its blocks in a pool
 (cache/pool.py: every device cache) one launch walks the whole stored history through the block table; otherwise
-one launch per stored block.  The full-precision segments (sinks, window, the step's new tokens) take one launch
-each of the same kernel, and one combine launch merges every partial exactly by log-sum-exp and writes the output
-in the query's dtype: five launches per layer and step whatever the context length, no host synchronisation,
-masks read in place.  Steps longer than ``MAX_QUERIES`` tokens (prefill on top of a cache) go to
-:mod:`kvsqueeze.kernels.triton_prefill`, which tiles the queries too.  Quantize-and-pack on append is
-:mod:`kvsqueeze.kernels.triton_pack`.
+one launch per stored block.  A finishing launch, one program per (batch, kv head), merges the partials exactly
+by log-sum-exp, attends to the full-precision segments itself (sinks, window, the step's new tokens: a few hundred
+tokens at most) and writes the output in the query's dtype: two launches per layer and step whatever the context
+length, no host synchronisation, the query cast and scaled and the masks read in place.  Steps longer than
+``MAX_QUERIES`` tokens (prefill on top of a cache) go to :mod:`kvsqueeze.kernels.triton_prefill`, which tiles the
+queries too.  Quantize-and-pack on append is :mod:`kvsqueeze.kernels.triton_pack`.
 
 Supported in the fused kernels (decode and prefill; tests/kernels/test_triton_formats.py): fp blocks of the model
 dtype, integer codes of 1-8 bits per channel or per token groups, symmetric or not, fp8 e4m3/e5m2 with a scale
@@ -32,7 +32,6 @@ import torch
 from ..cache.plan import EXACT, PoolRun, SegmentPlan
 from . import reference
 from .triton_common import (
-    FP_SIDE,
     HAS_TRITON,
     Side,
     available,
@@ -41,7 +40,6 @@ from .triton_common import (
     mask_args,
     rotate_query,
     side,
-    side_args,
     stored_args,
     table_width,
     unrotate_rows,
@@ -62,6 +60,29 @@ BLOCK_T = 32
 if HAS_TRITON:
 
     @triton.jit
+    def _masked(s, valid, b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr):
+        """Scores with the mask applied: MASK 0 none, 1 bool (uint8), 2 additive float, 3 causal among the step's
+        new tokens (t = new token index); entries not valid are -inf."""
+        if MASK == 1:
+            mv = tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid, other=0)
+            valid = valid & (mv != 0)
+        elif MASK == 2:
+            s = s + tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid,
+                            other=0.0).to(tl.float32)
+        elif MASK == 3:
+            valid = valid & (t[None, :] <= lq[:, None])
+        return tl.where(valid, s, float("-inf"))
+
+    @triton.jit
+    def _online(m, l_, acc, s, v):
+        """One tile of the online softmax: (max, sum, weighted values) updated by scores s [RP, BT] and values v."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zero
+        p = tl.exp(s - safe[:, None])
+        corr = tl.exp(m - safe)
+        return m_new, l_ * corr + tl.sum(p, axis=1), acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+
+    @triton.jit
     def _partials_kernel(
         q_ptr, m_ptr, l_ptr, acc_ptr, mask_ptr, table_ptr,
         kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr, kt_ptr, vt_ptr,
@@ -77,8 +98,8 @@ if HAS_TRITON:
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
         VNHI: tl.constexpr,
     ):
-        """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of a
-        segment of n_tok tokens.  MASK: 0 none, 1 bool (uint8), 2 additive float, 3 causal among new tokens."""
+        """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
+        stored tokens (n_tok of them, from a pool or one block)."""
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
         b = bh // HKV
@@ -103,38 +124,47 @@ if HAS_TRITON:
             po = token_rows(t, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
             k = load_rows(kx_ptr, ks_ptr, kz_ptr, kt_ptr, xo, po, tg, t_ok, ch, KKIND, KBITS, KG, KSYM, KNHI, D, W)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [RP, BT]
-            valid = r_ok[:, None] & t_ok[None, :]
-            if MASK == 1:
-                mv = tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid,
-                             other=0)
-                valid = valid & (mv != 0)
-            elif MASK == 2:
-                s = s + tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc,
-                                mask=valid, other=0.0).to(tl.float32)
-            elif MASK == 3:
-                valid = valid & (t[None, :] <= lq[:, None])
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - safe[:, None])
-            corr = tl.exp(m - safe)
+            s = _masked(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             xo = token_rows(t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
             po = token_rows(t, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
             v = load_rows(vx_ptr, vs_ptr, vz_ptr, vt_ptr, xo, po, tg, t_ok, ch, VKIND, VBITS, VG, VSYM, VNHI, D, W)
-            l_ = l_ * corr + tl.sum(p, axis=1)
-            acc = acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+            m, l_, acc = _online(m, l_, acc, s, v)
         part = (bh * n_parts + part0 + chunk) * R + rows
         tl.store(m_ptr + part, m, mask=r_ok)
         tl.store(l_ptr + part, l_, mask=r_ok)
         tl.store(acc_ptr + part[:, None] * D + ch[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts,
-                        R: tl.constexpr, RP: tl.constexpr, D: tl.constexpr):
-        """out = the exact log-sum-exp merge of one (sequence, kv head)'s partials, in out's dtype; rows whose
-        every score was masked give 0."""
+    def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
+                      mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr):
+        """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given)."""
+        for t0 in range(0, n, BT):
+            t = t0 + tl.arange(0, BT)
+            t_ok = t < n
+            k = tl.load(k_ptr + b * ksb + h * ksh + t[:, None] * kst + ch[None, :], mask=t_ok[:, None],
+                        other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            s = _masked(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK)
+            v = tl.load(v_ptr + b * vsb + h * vsh + t[:, None] * vst + ch[None, :], mask=t_ok[:, None],
+                        other=0.0).to(tl.float32)
+            m, l_, acc = _online(m, l_, acc, s, v)
+        return m, l_, acc
+
+    @triton.jit
+    def _finish_kernel(
+        q_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, mask_ptr,
+        sk_ptr, sv_ptr, wk_ptr, wv_ptr, nk_ptr, nv_ptr,
+        sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t,
+        n_s, n_w, n_n, col_s, col_w, col_n, n_parts, scaling, m_sb, m_sq, m_sc,
+        R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
+        BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr,
+    ):
+        """One (sequence, kv head): the stored tokens' partials merged exactly (log-sum-exp), the full-precision
+        segments (sinks, window, the step's new tokens: n_s, n_w, n_n tokens, any of them 0) attended here, and the
+        output written in its dtype; rows whose every score was masked give 0."""
         bh = tl.program_id(0)
+        b = bh // HKV
+        h = bh % HKV
         rows = tl.arange(0, RP)
         ch = tl.arange(0, D)
         r_ok = rows < R
@@ -153,6 +183,15 @@ if HAS_TRITON:
             l_ = l_ * a + lp * w
             acc = acc * a[:, None] + ap * w[:, None]
             m = m_new
+        q = tl.load(q_ptr + (bh * R + rows)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
+        q = q.to(tl.float32) * scaling
+        lq = rows % LQ
+        m, l_, acc = _exact_tokens(q, m, l_, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, n_s, col_s,
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT)
+        m, l_, acc = _exact_tokens(q, m, l_, acc, wk_ptr, wv_ptr, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, n_w, col_w,
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT)
+        m, l_, acc = _exact_tokens(q, m, l_, acc, nk_ptr, nv_ptr, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t, n_n, col_n,
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT)
         out = acc / tl.maximum(l_, 1e-30)[:, None]
         tl.store(out_ptr + (bh * R + rows)[:, None] * D + ch[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None])
@@ -207,45 +246,52 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     pool = plan.pool
     mask_t, mst, mkind = mask_args(mask, q)
     ks, vs = side(plan.key_format), side(plan.value_format)
-    work: list[_Launch] = []  # the stored tokens first: rotated values' partials are un-rotated as one range
+    work: list[_Launch] = []  # the stored tokens (a pool: one launch; else one per block)
     if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
         work.append(_Launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
                             ks, vs, mkind, pool))
     for seg in plan.segments:
         if seg.kind != EXACT and seg.length and pool is None:
             work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
-    n_stored = len(work)
-    for seg in plan.segments:
-        if seg.kind == EXACT and seg.length:  # new tokens: causal among themselves unless a mask says otherwise
-            kind = (3 if lq > 1 else 0) if seg.is_new and mask is None else mkind
-            work.append(_Launch(seg.start, seg.length, side_args(None, x=seg.k), side_args(None, x=seg.v),
-                                FP_SIDE, FP_SIDE, kind))
     splits = [triton.cdiv(w.n, chunk) for w in work]
     total = sum(splits)
     dev = query.device
-    m_buf = torch.empty(b * hkv, total, r, device=dev)
+    m_buf = torch.empty(b * hkv, max(total, 1), r, device=dev)
     l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty(b * hkv, total, r, d, device=dev)
+    acc_buf = torch.empty(b * hkv, max(total, 1), r, d, device=dev)
     rp = triton.next_power_of_2(r)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
-    for i, (w, nsp) in enumerate(zip(work, splits)):
+    for w, nsp in zip(work, splits):
         (kt, kst, kpr), (vt, vst, vpr) = w.k, w.v
         paged = w.pool is not None
         _partials_kernel[(b * hkv, nsp)](
-            q_rot if i < n_stored else q, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf,
-            *kt, *vt, k_tab if ks.rotated and i < n_stored else m_buf, v_tab if vs.rotated and i < n_stored else m_buf,
-            *kst, *vst, *mst,
+            q_rot, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf, *kt, *vt,
+            k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling),
             R=r, RP=rp, LQ=lq, D=d, HKV=hkv, CH=chunk, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d),
             **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr,
         )
         part0 += nsp
-    if vs.rotated and n_stored:  # the stored tokens' weighted values back to the original space
-        n = sum(splits[:n_stored])
-        acc_buf[:, :n] = unrotate_rows(acc_buf[:, :n], v_tab)
+    if vs.rotated and total:  # the stored tokens' weighted values back to the original space
+        acc_buf[:, :total] = unrotate_rows(acc_buf[:, :total], v_tab)
+    # the full-precision segments (sinks, window; the step's new tokens last) in the finishing launch
+    exact = [seg for seg in plan.segments if seg.kind == EXACT and seg.length and not seg.is_new]
+    if len(exact) > 2:
+        raise RuntimeError(f"the Triton decode takes sinks and a window, got {len(exact)} full-precision segments")
+    exact += [None] * (2 - len(exact)) + [plan.new]
+    args, counts = [], []
+    for seg in exact:
+        k, v = (m_buf, m_buf) if seg is None else (seg.k, seg.v)
+        args += [t if t.stride(-1) == 1 else t.contiguous() for t in (k, v)]
+        counts.append((0, 0) if seg is None else (seg.length, seg.start - first))
+    strides = [st for t in args for st in ((0, 0, 0) if t is m_buf else (t.stride(0), t.stride(1), t.stride(2)))]
     out = torch.empty_like(q)
-    _combine_kernel[(b * hkv,)](m_buf, l_buf, acc_buf, out, total, R=r, RP=rp, D=d)
+    new_mask = (3 if lq > 1 else 0) if mask is None else mkind  # new tokens: causal among themselves
+    _finish_kernel[(b * hkv,)](
+        q, m_buf, l_buf, acc_buf, out, mask_t, *args, *strides, *(n for n, _ in counts), *(c for _, c in counts),
+        total, float(scaling), *mst, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
+    )
     return out
