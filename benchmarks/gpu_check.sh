@@ -40,7 +40,17 @@ for kv in $E2E_CACHES; do
     | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|error"
 done
 
+echo "== batch 1, context $E2E_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 (not compileable yet)"
+for kv in "hf-static --compile" kivi-4; do
+  name=${kv%% *}
+  # shellcheck disable=SC2086
+  timeout 150 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv $kv \
+    --context "$E2E_CONTEXT" --batch 1 --decode-tokens 32 --json "$OUT/speed_b1_$name.json" 2>&1 \
+    | tee "$OUT/speed_b1_$name.txt" | grep -E "decode|attention path|error"
+done
+
 echo "== summary"
 tail -n 3 "$OUT/tests.txt"
 grep -E "^\| 32/" "$OUT/attention.md" | grep -E "SDPA|kivi-4" | head -n 12
 for kv in $E2E_CACHES; do echo "$kv: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_$kv.txt")"; done
+for name in hf-static kivi-4; do echo "batch 1 $name: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_b1_$name.txt")"; done

@@ -62,3 +62,16 @@ def test_bad_combinations_are_one_line(capsys, argv, line):
 def test_device_cuda_without_a_gpu_is_refused(capsys):
     assert main(["speed", "--kv", "kivi-4", "--device", "cuda"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_static_peer_runs_and_only_compileable_caches_compile(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    base = ["speed", "--random-weights", "smollm2-135m", "--layers", "2", "--context", "32", "--decode-tokens", "2"]
+    assert main([*base, "--kv", "hf-static", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["compiled"] is False and rec["kv_bytes"]["tokens"] == 34 and rec["attention_path"] == "sdpa"
+    # preallocated to the run's length (32 + 2 + 1 tokens): its bytes count what it holds, not what it uses
+    assert rec["kv_bytes"]["bits_per_element"] > 32
+    capsys.readouterr()
+    assert main([*base, "--kv", "kivi-4", "--compile"]) == 2
+    assert "kivi-4 cache is not compileable" in capsys.readouterr().err

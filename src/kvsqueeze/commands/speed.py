@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed (default 32)")
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (default 1)")
     _options.add_prefill_chunk(p)
+    p.add_argument("--compile", action="store_true",
+                   help="decode steps through torch.compile (CUDA graphs on a GPU), for compileable caches "
+                        "(hf-static); others are refused")
     p.add_argument("--budget", default=None, metavar="SIZE",
                    help="also print the capacity in this memory budget (e.g. 2GiB): the longest context (batch 1) "
                         "and the largest batch of 4096-token sequences, projected from this run's peak and the "
@@ -41,9 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if budget is not None and vllm_peer.is_vllm(kv):
         raise ValueError("--budget projects from a cache measured in this process; vLLM's cache lives in its own "
                          "process (drop --budget for vllm:* caches)")
-    if vllm_peer.is_vllm(kv) and (args.device != "cpu" or args.random_weights):
-        raise ValueError("vllm:* caches run the model in vLLM's own process: --device and --random-weights apply to "
-                         "kvsqueeze and transformers caches only")
+    if vllm_peer.is_vllm(kv) and (args.device != "cpu" or args.random_weights or args.compile):
+        raise ValueError("vllm:* caches run the model in vLLM's own process: --device, --random-weights and --compile "
+                         "apply to kvsqueeze and transformers caches only")
     model, threads = _options.model_for_device(args)
     meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
     _options.check_prefill_chunk(args, model)
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             if args.random_weights else "")
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
           f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads, {args.device} "
-          f"{str(model.dtype).replace('torch.', '')}{name}")
+          f"{str(model.dtype).replace('torch.', '')}{name}{', compiled decode' if args.compile else ''}")
     if vllm_peer.is_vllm(kv):
         from kvsqueeze.layout import model_kv_layout
 
@@ -71,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                                        "wall_seconds": time.perf_counter() - start, "command": meta.command_line(args),
                                        "date": meta.now(), "machine": meta.machine_info()})
         return 0
-    r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch, prefill_chunk=args.prefill_chunk)
+    r = measure_speed(model, args.kv, args.context, args.decode_tokens, args.batch, prefill_chunk=args.prefill_chunk,
+                      compile=args.compile)
     b = r["kv_bytes"]
     bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
     print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "

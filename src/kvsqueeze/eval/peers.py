@@ -4,6 +4,8 @@ Importing this module registers them with :func:`kvsqueeze.resolve.register_peer
 :func:`kvsqueeze.resolve_kv` (every ``--kv``) resolves their names; the resolver never imports this module.
 
 * ``hf-dynamic``: ``transformers.DynamicCache`` (full precision, the model's dtype).
+* ``hf-static``: ``transformers.StaticCache`` (full precision, preallocated to a length: ``kvsqueeze speed`` sizes
+  it to the run, context + decode tokens; the cache ``torch.compile`` captures with CUDA graphs, ``--compile``).
 * ``hf-quanto-int4`` / ``hf-quanto-int2``: ``transformers.QuantizedCache(backend="quanto")`` with its defaults:
   groups of 64, a 128-token full-precision residual, both keys and values on axis 0 (per-token groups of 64
   channels).  ``-axis1`` variants quantize keys and values on quanto's axis -1 (per-channel, over groups of 64
@@ -34,7 +36,7 @@ from . import vllm_peer  # noqa: F401  (registers the vllm:<kv_cache_dtype> peer
 @dataclass(frozen=True)
 class Peer:
     name: str
-    backend: str  # "dynamic", "quanto" or "fp8"
+    backend: str  # "dynamic", "static", "quanto" or "fp8"
     description: str
     nbits: int | None = None
     axis_key: int | None = None
@@ -72,6 +74,7 @@ def _quanto(bits: int, axis: int) -> Peer:
 
 PEERS: dict[str, Peer] = {p.name: p for p in (
     Peer("hf-dynamic", "dynamic", "transformers DynamicCache (full precision)"),
+    Peer("hf-static", "static", "transformers StaticCache (full precision, preallocated to the run's length)"),
     _quanto(4, 0), _quanto(4, 1), _quanto(2, 0), _quanto(2, 1),
     Peer("hf-fp8", "fp8", "transformers QuantizedCache, fp8-e4m3 with one scale per layer tensor"),
 )}
@@ -87,9 +90,9 @@ def _importable(module: str) -> bool:
         return False
 
 
-def make_cache(model: Any, name: str | CacheSpec) -> Any:
+def make_cache(model: Any, name: str | CacheSpec, max_len: int | None = None) -> Any:
     """An empty cache for ``model``: kvsqueeze's QuantizedCache for anything :func:`kvsqueeze.resolve_kv` turns
-    into a CacheSpec, or the peer's own cache."""
+    into a CacheSpec, or the peer's own cache (``hf-static``: preallocated to ``max_len`` tokens)."""
     kv = resolve_kv(name)
     if isinstance(kv, CacheSpec):
         from ..adapter import QuantizedCache
@@ -99,6 +102,11 @@ def make_cache(model: Any, name: str | CacheSpec) -> Any:
 
     if kv.backend == "dynamic":
         return transformers.DynamicCache(config=model.config)
+    if kv.backend == "static":
+        if max_len is None:
+            raise ValueError("hf-static preallocates its length, which only `kvsqueeze speed` sets (context + decode "
+                             "tokens); use hf-dynamic here")
+        return transformers.StaticCache(config=model.config, max_cache_len=max_len)
     if kv.backend == "fp8":
         return transformers.QuantizedCache(backend="fp8", config=model.config)
     return transformers.QuantizedCache(backend="quanto", config=model.config, nbits=kv.nbits, axis_key=kv.axis_key,
@@ -180,7 +188,7 @@ def _num(x: float) -> float | None:
 
 def footprint(cache: Any) -> KVFootprint:
     """What ``cache`` stores right now, counted from its tensors."""
-    tokens = cache.get_seq_length()
+    tokens = int(cache.get_seq_length())  # a tensor for a static cache
     if hasattr(cache, "nbytes"):  # kvsqueeze's own accounting
         b = cache.nbytes()
         batch = next((layer.kv.shape[0] for layer in cache.layers if layer.kv.shape is not None), 1)
@@ -192,7 +200,7 @@ def footprint(cache: Any) -> KVFootprint:
             continue
         shape = _layer_shape(layer)
         batch = shape[0]
-        elements += 2 * math.prod(shape[:2]) * shape[3] * layer.get_seq_length()
+        elements += 2 * math.prod(shape[:2]) * shape[3] * int(layer.get_seq_length())
         for t in (layer.keys, layer.values):
             fp += _nbytes(t) if t is not None and t.dim() == 4 else 0  # dynamic layers, or the quanto residual
         for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):

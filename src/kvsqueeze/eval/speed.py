@@ -92,9 +92,10 @@ def _sync(cuda: bool) -> None:
 
 @torch.no_grad()
 def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: int = 1,
-                  seed: int = 0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> dict[str, Any]:
+                  seed: int = 0, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, compile: bool = False) -> dict[str, Any]:
     """Prefill a ``context``-token random prompt (``batch`` rows; ``prefill_chunk`` tokens per forward pass, 0 = one
-    pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes."""
+    pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes.
+    ``compile``: the decode step through ``torch.compile`` (CUDA graphs on a GPU), for caches that allow it."""
     from ..adapter import attention_paths, cache_kwargs, describe_paths
     from .peers import footprint, make_cache, prefill
 
@@ -104,13 +105,16 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, context), generator=g).to(model.device)
     head = model.get_output_embeddings()
+    max_len = context + decode_tokens + 1  # what a preallocated cache (hf-static) must hold
+    step_model = _compiled(model, kv, ids.is_cuda) if compile else model.base_model
     # warm-up, untimed: one-off allocations, and the cache's kernels chosen (and built: the C++ one is compiled on
     # first use) by a short prefill and a decode step of the same kind of cache
-    warm = make_cache(model, kv)
-    prefill(model, ids[:1, :min(context, 128)], warm, prefill_chunk and 64)
-    model.base_model(input_ids=ids[:1, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
+    warm = make_cache(model, kv, max_len)
+    prefill(model, ids[:, :min(context, 128)], warm, prefill_chunk and 64)
+    for _ in range(3 if compile else 1):  # compiled: the graphs are built (and recorded) on the first calls
+        step_model(input_ids=ids[:, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
     del warm
-    cache = make_cache(model, kv)
+    cache = make_cache(model, kv, max_len)
     prefill_s: list[float] = []
     steps: list[float] = []
     cuda = ids.is_cuda
@@ -125,13 +129,14 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
             _sync(cuda)
         for _ in range(decode_tokens):
             with _timer(steps):
-                h = model.base_model(input_ids=nxt, **kw, use_cache=True).last_hidden_state
+                h = step_model(input_ids=nxt, **kw, use_cache=True).last_hidden_state
                 nxt = head(h[:, -1]).argmax(-1, keepdim=True)
                 _sync(cuda)
     kv_bytes = footprint(cache)
     paths = attention_paths(cache, model)
     return {
         "kv": kv, "context": context, "decode_tokens": decode_tokens, "batch": batch, "prefill_chunk": prefill_chunk,
+        "compiled": compile,
         "prefill_s": prefill_s[0],
         "prefill_tokens_per_s": batch * context / prefill_s[0],
         "decode_ms_per_token": 1000 * statistics.median(steps),
@@ -146,3 +151,17 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
         # what the timed steps ran on ('sdpa': transformers' own attention, for peers and prompts)
         "attention_path": describe_paths(paths), "attention_paths": paths,
     }
+
+
+def _compiled(model: Any, kv: str, cuda: bool) -> Any:
+    """The decode step's model under ``torch.compile`` (mode reduce-overhead on a GPU: CUDA graphs), for a cache
+    whose layers say they are compileable; anything else is refused in one line before any work."""
+    from .peers import make_cache
+
+    cache = make_cache(model, kv, 2)
+    layers = getattr(cache, "layers", [])
+    if not layers or not all(getattr(layer, "is_compileable", False) for layer in layers):
+        raise ValueError(f"--compile: the {kv} cache is not compileable (its layers say is_compileable=False); "
+                         f"compileable here: hf-static")
+    return torch.compile(model.base_model, mode="reduce-overhead" if cuda else "default")
+
