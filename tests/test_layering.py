@@ -1,6 +1,6 @@
 """The package's layers read top to bottom: a static scan of every import (lazy ones inside functions included).
 
-base (errors, version, cache root) -> leaves (spec, RoPE, layout, corpus, models, transforms) -> quant (formats)
+base (errors, version, cache root) -> leaves (spec, RoPE, layout, corpus, models, random models, transforms) -> quant (formats)
 -> artifact -> resolve -> cache -> kernels -> adapter -> {calibrate, eval, engines}
 -> commands/cli -> the public ``kvsqueeze`` namespace.  An import may only point to a lower layer or stay inside
 its own part; calibrate, eval and engines sit side by side and never import each other.
@@ -22,7 +22,7 @@ RANKS = {
     "_version": 0, "errors": 0, "user_cache": 0, "heap": 0,
     "atomic_dir": 0.5,  # atomic writes raise the DiskWriteError of errors
     "external": 1,
-    "spec": 1, "rope": 1, "corpus": 1, "models": 1, "transforms": 1,
+    "spec": 1, "rope": 1, "corpus": 1, "models": 1, "random_models": 1, "transforms": 1,
     "layout": 1.5,  # reads a model's attention facts, RoPE tables included
     "quant": 2,
     "artifact": 3, "resolve": 4,
