@@ -24,7 +24,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 echo "== Triton kernel tests on the device"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_pool.py \
-  tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py tests/kernels/test_triton_pack.py \
+  tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
+  tests/kernels/test_triton_pack.py "tests/kernels/test_conformance.py" -k "not cpu-" \
   2>&1 | tail -n 15 | tee "$OUT/tests.txt"
 
 echo "== attention, one layer per step"
