@@ -59,7 +59,7 @@ def test_pool_holds_what_separate_blocks_hold_through_growth_and_edits():
     kw = dict(batch=2, kv_heads=2, head_dim=32, stored=300, steps=40)
     pooled = filled_layer(small_blocks("kivi-2-sink4"), pooled=True, **kw)
     plain = filled_layer(small_blocks("kivi-2-sink4"), pooled=False, **kw)
-    assert plain.store.pool is None and pooled.store.pool.slots >= 8  # grew from 4 slots
+    assert plain.store.pool is None and pooled.store.pool.slots > 4  # grew from 4 slots
     assert pooled.store.pool.generation > 0
     _check_table(pooled)
     _twin_outputs_equal(pooled, plain)

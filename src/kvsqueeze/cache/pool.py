@@ -8,8 +8,8 @@ the store's first token ever, so an eviction only moves where the walk starts). 
 of the store at slot ``table[u // block_tokens]``, row ``u % block_tokens``, in one launch.
 
 Writing the table for a new block is a one-element fill on the device: no host synchronisation in a decode step.
-When the slots run out the pool doubles (a device copy of the used slots, amortised like a list's growth) and the
-blocks' part views are re-pointed; everything derived from the old views must then be rebuilt (``generation``).
+When the slots run out the pool grows by half (a device copy of the used slots, amortised like a list's growth) and
+the blocks' part views are re-pointed; everything derived from the old views must then be rebuilt (``generation``).
 """
 
 from __future__ import annotations
@@ -46,14 +46,17 @@ class BlockPool:
         return next(iter(self.tensors.values())).shape[0]
 
     def _grow(self) -> None:
+        # by half again, not double: the slots allocated stay within 1.5x of those used (a GPU's memory budget is
+        # the cache's capacity), at an amortised copy of about two slots per slot added
         n = self.slots
+        m = max(n + 1, n * 3 // 2)
         for key, old in self.tensors.items():
-            new = self._alloc(self.layouts[key], 2 * n)
+            new = self._alloc(self.layouts[key], m)
             new[:n].copy_(old)
             self.tensors[key] = new
         for slot, parts in self.owners.items():
             parts.update({key: t[slot] for key, t in self.tensors.items()})
-        self.free = list(range(2 * n - 1, n - 1, -1)) + self.free
+        self.free = list(range(m - 1, n - 1, -1)) + self.free
         self.generation += 1
 
     def take(self, index: int) -> tuple[int, dict[str, torch.Tensor]]:
