@@ -110,9 +110,10 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     # warm-up, untimed: one-off allocations, and the cache's kernels chosen (and built: the C++ one is compiled on
     # first use) by a short prefill and a decode step of the same kind of cache
     warm = make_cache(model, kv, max_len)
-    prefill(model, ids[:, :min(context, 128)], warm, prefill_chunk and 64)
+    rows = batch if compile else 1  # compiled graphs are specialised to the batch
+    prefill(model, ids[:rows, :min(context, 128)], warm, prefill_chunk and 64)
     for _ in range(3 if compile else 1):  # compiled: the graphs are built (and recorded) on the first calls
-        step_model(input_ids=ids[:, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
+        step_model(input_ids=ids[:rows, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
     del warm
     cache = make_cache(model, kv, max_len)
     prefill_s: list[float] = []
