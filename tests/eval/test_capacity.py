@@ -48,3 +48,13 @@ def test_capacity_arithmetic():
     assert cap.capacity(cost, 2000.0, 1000, None)["max_tokens"] == 0  # the transient alone is over budget
     measured = {"batch": 3, "context": 100, "peak_rss_delta_bytes": 990}
     assert cap.check_projection(cost, 90.0, measured)["ratio"] == pytest.approx(990 / 900)
+
+
+def test_a_gpu_run_measures_its_transient_in_gpu_memory():
+    """On a GPU the budget is GPU memory: the transient comes from CUDA's peak allocated, not the process's RSS."""
+    cpu_run = {"batch": 2, "peak_rss_delta_bytes": 1000, "cuda_peak_allocated_delta_bytes": None,
+               "kv_bytes": {"total": 400}}
+    gpu_run = dict(cpu_run, cuda_peak_allocated_delta_bytes=3000)
+    assert cap.transient_per_sequence(cpu_run) == 300 and cap.transient_per_sequence(gpu_run) == 1300
+    cost = {"fixed_bytes": 0.0, "bytes_per_token": 1.0}
+    assert cap.check_projection(cost, 0.0, dict(gpu_run, context=1000))["measured_peak_bytes"] == 3000

@@ -107,5 +107,6 @@ def _capacity(model, kv: str, measured: dict, budget: int) -> dict:
     print(f"capacity in {budget / 2**30:.2f} GiB: longest context {longest}; {c['max_batch']} sequences of "
           f"{c['batch_context']} tokens ({c['bytes_per_sequence'] / 2**20:.1f} MiB each: cache "
           f"{(c['fixed_bytes'] + c['bytes_per_token'] * c['batch_context']) / 2**20:.1f} + transient "
-          f"{c['transient_bytes_per_sequence'] / 2**20:.1f}, the transient from this run's peak)")
+          f"{c['transient_bytes_per_sequence'] / 2**20:.1f}, the transient from this run's peak "
+          f"{'GPU memory allocated' if measured['cuda_peak_allocated_delta_bytes'] is not None else 'RSS'})")
     return c

@@ -5,7 +5,8 @@ A process that fills a cache holds the cache plus what the forward passes need o
 * the cache's bytes for one sequence of ``n`` tokens, from a real cache of that kind filled with ``n`` tokens of
   random K/V layer by layer (no model run: the bytes do not depend on the values), at two lengths, so that the
   fixed part (full-precision window and sinks, shared scales) and the per-token part are both exact;
-* the rest of the peak (``transient``): the peak RSS growth of a real prefill + decode run
+* the rest of the peak (``transient``): the peak RSS growth (on a GPU: CUDA's peak allocated) of a real prefill +
+  decode run
   (:func:`kvsqueeze.eval.speed.measure_speed`) minus the cache's bytes at its end, per sequence.  With a chunked
   prefill it is bounded by the chunk, not the prompt, and is taken as constant in the context length (it holds the
   chunk's activations and attention scratch) and proportional to the batch.
@@ -104,9 +105,16 @@ def capacity(cost: dict[str, float], transient_per_sequence: float, budget: int,
     }
 
 
+def measured_peak(speed_result: dict[str, Any]) -> int:
+    """The peak growth of a :func:`measure_speed` run in the memory the cache lives in: CUDA's allocator (GPU
+    memory, the budget of a GPU run) where the run was on a GPU, else the process's RSS."""
+    cuda = speed_result.get("cuda_peak_allocated_delta_bytes")
+    return speed_result["peak_rss_delta_bytes"] if cuda is None else cuda
+
+
 def transient_per_sequence(speed_result: dict[str, Any]) -> float:
     """The measured peak beyond the cache's own bytes, per sequence, from a :func:`measure_speed` result."""
-    return (speed_result["peak_rss_delta_bytes"] - speed_result["kv_bytes"]["total"]) / speed_result["batch"]
+    return (measured_peak(speed_result) - speed_result["kv_bytes"]["total"]) / speed_result["batch"]
 
 
 def predicted_peak(cost: dict[str, float], transient: float, batch: int, context: int) -> float:
@@ -116,6 +124,6 @@ def predicted_peak(cost: dict[str, float], transient: float, batch: int, context
 def check_projection(cost: dict[str, float], transient: float, measured: dict[str, Any]) -> dict[str, Any]:
     """A measured run beside the projection for its own batch and context."""
     want = predicted_peak(cost, transient, measured["batch"], measured["context"])
-    got = measured["peak_rss_delta_bytes"]
+    got = measured_peak(measured)
     return {"batch": measured["batch"], "context": measured["context"], "predicted_peak_bytes": want,
             "measured_peak_bytes": got, "ratio": got / want if want else float("nan")}
