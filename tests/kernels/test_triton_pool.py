@@ -138,6 +138,14 @@ def test_pooled_decode_reads_the_history_in_one_launch(td, spec, new, masked):
     assert td.launches == [(2 * 2, -(-plan.pool.n_tokens // td.CHUNK))]
 
 
+def test_long_chunks_when_the_batch_fills_the_gpu(td, monkeypatch):
+    """Past TARGET_PROGRAMS programs the chunks grow (fewer partials): one chunk per (sequence, kv head) here."""
+    monkeypatch.setattr(td, "TARGET_PROGRAMS", 4)
+    layer = _pool_layer("kivi-4", stored=330, steps=3)
+    assert_matches_reference(td.attend, layer, 4, 1, padding_mask(layer, 1, [0, 37]))
+    assert td.launches == [(2 * 2, 1)]
+
+
 def test_pooled_decode_after_eviction_and_in_half_precision(td):
     layer = filled_layer(small_blocks("kivi-4"), batch=1, kv_heads=2, head_dim=32, stored=300, steps=5,
                          sliding=90, pooled=True, device=TRITON_DEVICE, dtype=torch.float16)

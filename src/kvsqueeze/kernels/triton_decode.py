@@ -3,8 +3,8 @@
 Imported lazily by the adapter's backend switch; ``import kvsqueeze`` never needs Triton.  Under
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), which is how they are tested without a GPU.
 
-Decode (``attend``, split-K as in flash-decoding): programs own a (batch * kv head, chunk of ``CHUNK`` tokens)
-pair; a program unpacks ``BLOCK_T`` tokens of codes at a time in registers (shift and mask per channel), applies
+Decode (``attend``, split-K as in flash-decoding): programs own a (batch * kv head, chunk of tokens) pair (chunks
+of at least ``CHUNK`` tokens, longer where batch x kv heads already give ``TARGET_PROGRAMS`` programs); a program unpacks ``BLOCK_T`` tokens of codes at a time in registers (shift and mask per channel), applies
 the group parameters there, scores all query rows of its KV head (GQA rows share the loads), keeps an online
 softmax and writes its partial (max, sum, weighted values).  Where the cache keeps its blocks in a pool
 (cache/pool.py: every device cache) one launch walks the whole stored history through the block table; otherwise
@@ -54,7 +54,8 @@ if HAS_TRITON:
 __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
 MAX_QUERIES = 16
-CHUNK = 256
+CHUNK = 256  # the fewest stored tokens a program takes
+TARGET_PROGRAMS = 1024  # programs per launch worth having (a few waves of a GPU's SMs): longer chunks beyond it
 BLOCK_T = 32
 
 if HAS_TRITON:
@@ -91,7 +92,7 @@ if HAS_TRITON:
         m_sb, m_sq, m_sc,
         first, n_tok, col0, part0, n_parts, scaling,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
-        CH: tl.constexpr, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
+        CH, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
         W: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
@@ -99,7 +100,8 @@ if HAS_TRITON:
         VNHI: tl.constexpr,
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
-        stored tokens (n_tok of them, from a pool or one block)."""
+        stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
+        split can follow the context without a new compilation."""
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
         b = bh // HKV
@@ -211,6 +213,17 @@ class _Launch(NamedTuple):
     pool: PoolRun | None = None
 
 
+def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
+    """Tokens per program of a split-K launch over n tokens: as many chunks as give the GPU TARGET_PROGRAMS
+    programs, each at least ``least`` tokens, a multiple of ``bt`` (fewer, longer chunks keep the partials, written
+    and read once more, small next to the codes)."""
+    def cdiv(x: int, y: int) -> int:
+        return -(-x // y)
+
+    splits = min(cdiv(n, least), max(1, cdiv(TARGET_PROGRAMS, programs_per_split)))
+    return cdiv(cdiv(n, splits), bt) * bt
+
+
 def supports(plan: SegmentPlan) -> bool:
     return side(plan.key_format) is not None and side(plan.value_format) is not None
 
@@ -253,7 +266,8 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     for seg in plan.segments:
         if seg.kind != EXACT and seg.length and pool is None:
             work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
-    splits = [triton.cdiv(w.n, chunk) for w in work]
+    chunks = [_chunk_tokens(w.n, b * hkv, chunk, bt) for w in work]
+    splits = [triton.cdiv(w.n, c) for w, c in zip(work, chunks)]
     total = sum(splits)
     dev = query.device
     m_buf = torch.empty(b * hkv, max(total, 1), r, device=dev)
@@ -263,14 +277,14 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
-    for w, nsp in zip(work, splits):
+    for w, nsp, ch in zip(work, splits, chunks):
         (kt, kst, kpr), (vt, vst, vpr) = w.k, w.v
         paged = w.pool is not None
         _partials_kernel[(b * hkv, nsp)](
             q_rot, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf, *kt, *vt,
             k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling),
-            R=r, RP=rp, LQ=lq, D=d, HKV=hkv, CH=chunk, BT=bt, PAGED=paged,
+            CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d),
             **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr,
         )
