@@ -152,6 +152,38 @@ if HAS_TRITON:
         return code * a + c
 
 
+    @triton.jit
+    def load_tokens(x_ptr, s_ptr, z_ptr, tab_ptr, t, t_ok, first, table_ptr, b, h,
+                    x_ss, x_sb, x_sh, x_sr, p_ss, p_sb, p_sh, p_sr, ch,
+                    PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr, KIND: tl.constexpr,
+                    BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, NHI: tl.constexpr, D: tl.constexpr,
+                    W: tl.constexpr):
+        """[BT, D] float32 values of one side's tokens ``t`` (of a segment, or of a pool from store index
+        ``first``): their code and parameter rows found by token_rows, read by load_rows."""
+        if PAGED:  # store indices: centring groups start at multiples of their size
+            tg = first + t
+        else:
+            tg = t
+        xo = token_rows(t, t_ok, first, table_ptr, b, h, x_ss, x_sb, x_sh, x_sr, PAGED, BLK, 1)
+        po = token_rows(t, t_ok, first, table_ptr, b, h, p_ss, p_sb, p_sh, p_sr, PAGED, BLK, PER_ROW)
+        return load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch, KIND, BITS, G, SYM, NHI, D, W)
+
+    @triton.jit
+    def masked_scores(s, valid, b, lq, t, col0, kq, mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr):
+        """Scores of query rows (query index ``lq``) against tokens ``t`` of a segment whose mask columns start at
+        ``col0``: MASK 0 none, 1 bool (uint8), 2 additive float, 3 causal (token kq + t visible to query lq, kq =
+        the segment's first position minus the first query's); entries not valid are -inf."""
+        if MASK == 1:
+            mv = tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid, other=0)
+            valid = valid & (mv != 0)
+        elif MASK == 2:
+            s = s + tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid,
+                            other=0.0).to(tl.float32)
+        elif MASK == 3:
+            valid = valid & ((kq + t)[None, :] <= lq[:, None])
+        return tl.where(valid, s, float("-inf"))
+
+
 def side(fmt: StorageFormat | None) -> Side | None:
     """A side's kernel constants, or None when the format needs the reference."""
     if fmt is None or fmt.kind == "fp":

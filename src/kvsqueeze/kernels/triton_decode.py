@@ -49,7 +49,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import load_rows, token_rows
+    from .triton_common import load_tokens, masked_scores
 
 __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
@@ -59,20 +59,6 @@ TARGET_PROGRAMS = 1024  # programs per launch worth having (a few waves of a GPU
 BLOCK_T = 32
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _masked(s, valid, b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr):
-        """Scores with the mask applied: MASK 0 none, 1 bool (uint8), 2 additive float, 3 causal among the step's
-        new tokens (t = new token index); entries not valid are -inf."""
-        if MASK == 1:
-            mv = tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid, other=0)
-            valid = valid & (mv != 0)
-        elif MASK == 2:
-            s = s + tl.load(mask_ptr + b * m_sb + lq[:, None] * m_sq + (col0 + t)[None, :] * m_sc, mask=valid,
-                            other=0.0).to(tl.float32)
-        elif MASK == 3:
-            valid = valid & (t[None, :] <= lq[:, None])
-        return tl.where(valid, s, float("-inf"))
 
     @triton.jit
     def _online(m, l_, acc, s, v):
@@ -118,18 +104,12 @@ if HAS_TRITON:
         for t0 in range(0, CH, BT):
             t = chunk * CH + t0 + tl.arange(0, BT)
             t_ok = t < n_tok
-            if PAGED:  # store indices: centring groups start at multiples of their size
-                tg = first + t
-            else:
-                tg = t
-            xo = token_rows(t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr, PAGED, BLK, 1)
-            po = token_rows(t, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
-            k = load_rows(kx_ptr, ks_ptr, kz_ptr, kt_ptr, xo, po, tg, t_ok, ch, KKIND, KBITS, KG, KSYM, KNHI, D, W)
+            k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
+                            kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D, W)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [RP, BT]
-            s = _masked(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK)
-            xo = token_rows(t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
-            po = token_rows(t, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
-            v = load_rows(vx_ptr, vs_ptr, vz_ptr, vt_ptr, xo, po, tg, t_ok, ch, VKIND, VBITS, VG, VSYM, VNHI, D, W)
+            s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
+            v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
+                            vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D, W)
             m, l_, acc = _online(m, l_, acc, s, v)
         part = (bh * n_parts + part0 + chunk) * R + rows
         tl.store(m_ptr + part, m, mask=r_ok)
@@ -146,7 +126,7 @@ if HAS_TRITON:
             k = tl.load(k_ptr + b * ksb + h * ksh + t[:, None] * kst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-            s = _masked(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, mask_ptr, m_sb, m_sq, m_sc, MASK)
+            s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             v = tl.load(v_ptr + b * vsb + h * vsh + t[:, None] * vst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
             m, l_, acc = _online(m, l_, acc, s, v)

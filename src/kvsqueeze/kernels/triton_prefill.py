@@ -36,7 +36,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import load_rows, token_rows
+    from .triton_common import load_tokens, masked_scores
 
 BLOCK_M = 32  # query rows per program
 BLOCK_N = 32  # keys per tile
@@ -76,32 +76,19 @@ if HAS_TRITON:
         for t0 in range(0, n_tok, BN):
             t_idx = t0 + tl.arange(0, BN)
             t_ok = t_idx < n_tok
-            if PAGED:  # store indices: centring groups start at multiples of their size
-                tg = first + t_idx
-            else:
-                tg = t_idx
-            xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr, PAGED, BLK, 1)
-            po = token_rows(t_idx, t_ok, first, table_ptr, b, h, kp_ss, kp_sb, kp_sh, kp_sr, PAGED, BLK, KPR)
-            k = load_rows(kx_ptr, ks_ptr, kz_ptr, kt_ptr, xo, po, tg, t_ok, ch, KKIND, KBITS, KG, KSYM, KNHI, D, W)
+            k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
+                            kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI,
+                            D, W)
             s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BM, BN]
-            valid = r_ok[:, None] & t_ok[None, :]
-            if MASK == 1:
-                mv = tl.load(mask_ptr + b * msb + lq[:, None] * msr + (col0 + t_idx)[None, :] * msc, mask=valid,
-                             other=0)
-                valid = valid & (mv != 0)
-            elif MASK == 2:
-                s = s + tl.load(mask_ptr + b * msb + lq[:, None] * msr + (col0 + t_idx)[None, :] * msc,
-                                mask=valid, other=0.0).to(tl.float32)
-            elif MASK == 3:
-                valid = valid & ((kpos0 + t_idx)[None, :] <= (qpos0 + lq)[:, None])
-            s = tl.where(valid, s, float("-inf"))
+            s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t_idx, col0, kpos0 - qpos0, mask_ptr, msb, msr,
+                              msc, MASK)
             m_new = tl.maximum(m, tl.max(s, axis=1))
             safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked rows so far stay zero
             p = tl.exp(s - safe[:, None])
             corr = tl.exp(m - safe)
-            xo = token_rows(t_idx, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr, PAGED, BLK, 1)
-            po = token_rows(t_idx, t_ok, first, table_ptr, b, h, vp_ss, vp_sb, vp_sh, vp_sr, PAGED, BLK, VPR)
-            v = load_rows(vx_ptr, vs_ptr, vz_ptr, vt_ptr, xo, po, tg, t_ok, ch, VKIND, VBITS, VG, VSYM, VNHI, D, W)
+            v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t_idx, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
+                            vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI,
+                            D, W)
             l_ = l_ * corr + tl.sum(p, axis=1)
             acc = acc * corr[:, None] + tl.dot(p, v, input_precision=PREC)
             m = m_new
