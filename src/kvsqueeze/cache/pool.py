@@ -66,12 +66,16 @@ class BlockPool:
         slot = self.free.pop()
         parts = {key: t[slot] for key, t in self.tensors.items()}
         self.owners[slot] = parts
-        if index >= self.table.numel():
-            table = torch.zeros(max(2 * self.table.numel(), index + 1), dtype=torch.int32, device=self.device)
-            table[: self.table.numel()].copy_(self.table)
-            self.table = table
+        self._reserve(index + 1)
         self.table[index] = slot  # a fill on the device: no synchronisation
         return slot, parts
+
+    def _reserve(self, entries: int) -> None:
+        """A table of at least ``entries`` entries (doubled, entries kept: a device copy)."""
+        if entries > self.table.numel():
+            table = torch.zeros(max(2 * self.table.numel(), entries), dtype=torch.int32, device=self.device)
+            table[: self.table.numel()].copy_(self.table)
+            self.table = table
 
     def give(self, slot: int) -> None:
         if self.owners.pop(slot, None) is not None:
@@ -88,9 +92,7 @@ class BlockPool:
             self.owners[slot] = parts
         self.generation += 1
         if live:
-            need = max(i for i, _ in live.values()) + 1
-            if need > self.table.numel():
-                self.table = torch.zeros(max(2 * self.table.numel(), need), dtype=torch.int32, device=self.device)
+            self._reserve(max(i for i, _ in live.values()) + 1)
             index = torch.tensor([i for i, _ in live.values()], dtype=torch.long)
             self.table[index.to(self.device)] = torch.tensor(list(live), dtype=torch.int32).to(self.device)
 
