@@ -232,7 +232,7 @@ def table_width(d: int) -> int:
     return max(d, 16)
 
 
-def _strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
+def slot_strides(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
     """(slot, batch, head, row) strides of a pool [slots, B, H, rows, ...] or of a tensor [B, H, rows, ...]."""
     if paged:
         return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
@@ -255,17 +255,17 @@ def side_args(fmt: StorageFormat | None, parts: Mapping[str, torch.Tensor] | Non
             x = parts["x"]
         if x.stride(-1) != 1:
             x = x.contiguous()
-        st = _strides(x, paged)
+        st = slot_strides(x, paged)
         return (x, x, x), st + st, 1
     xs = parts["codes"]
     if fmt.kind == "rot":  # scales (centred: a row per group holding the group means, then its tokens' scales)
         s = parts["stats"] if fmt.axis == "channel" else parts["norm"]
-        return (xs, s, s), _strides(xs, paged) + _strides(s, paged), fmt.token_group if fmt.axis == "channel" else 1
+        return (xs, s, s), slot_strides(xs, paged) + slot_strides(s, paged), fmt.token_group if fmt.axis == "channel" else 1
     if fmt.kind == "fp8" and fmt.fixed_scale:
         s = shared["scale"]
-        return (xs, s, s), _strides(xs, paged) + _shared_strides(s), 1
+        return (xs, s, s), slot_strides(xs, paged) + _shared_strides(s), 1
     s = parts["scale"]
-    return (xs, s, parts.get("zero", s)), _strides(xs, paged) + _strides(s, paged), \
+    return (xs, s, parts.get("zero", s)), slot_strides(xs, paged) + slot_strides(s, paged), \
         fmt.group if fmt.kind == "int" and fmt.axis == "channel" else 1
 
 

@@ -24,7 +24,7 @@ from ..cache.plan import PoolTarget
 from ..quant.format import StorageFormat
 from ..quant.nonfinite import LIMIT
 from ..quant.params import scale_floor
-from .triton_common import HAS_TRITON, available
+from .triton_common import HAS_TRITON, available, slot_strides
 
 if HAS_TRITON:
     import triton
@@ -203,10 +203,6 @@ def supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
     return fmt.axis == "token" or x.shape[2] % g == 0  # a ragged per-channel call raises in torch
 
 
-def _strides4(t: torch.Tensor, paged: bool) -> tuple[int, int, int, int]:
-    return (t.stride(0), t.stride(1), t.stride(2), t.stride(3)) if paged else (0, t.stride(0), t.stride(1), t.stride(2))
-
-
 def encode(fmt: StorageFormat, x: torch.Tensor, into: PoolTarget | None = None) -> dict[str, torch.Tensor] | None:
     """The stored parts of ``x`` [B, H, T, D] in ``fmt`` computed by Triton, or None when not supported here.
     ``into``: write them straight into a pool's slots instead (the store's tokens from ``into.start`` on; every
@@ -234,7 +230,7 @@ def encode(fmt: StorageFormat, x: torch.Tensor, into: PoolTarget | None = None) 
     z_arg = scale if zero is None else zero
     floor = scale_floor(pname)
     args = (x, codes, scale, z_arg, table)
-    st = (*_strides4(codes, paged), *_strides4(scale, paged), float(fmt.clip), floor)
+    st = (*slot_strides(codes, paged), *slot_strides(scale, paged), float(fmt.clip), floor)
     # no FMA contraction: every product is rounded as torch rounds it
     if fmt.axis == "token":
         n = b * h * t
