@@ -29,6 +29,9 @@ def test_names_resolve_to_caches(tiny_llama):
     assert isinstance(peers.make_cache(tiny_llama, "hf-quanto-int2-axis1"), transformers.QuantizedCache)
     assert isinstance(peers.make_cache(tiny_llama, "kivi-2"), QuantizedCache)
     assert isinstance(resolve_kv("k2c32-v2t32-w128-s4"), CacheSpec)
+    assert isinstance(peers.make_cache(tiny_llama, "hf-static", max_len=64), transformers.StaticCache)
+    with pytest.raises(ValueError, match="hf-static preallocates its length"):  # ppl, bench: no length to size it
+        peers.make_cache(tiny_llama, "hf-static")
 
 
 def test_every_peer_is_registered_with_the_resolver():
