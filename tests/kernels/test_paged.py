@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvsqueeze.kernels import paged
 from kvsqueeze.kernels.paged import FORMATS, PagedStore, paged_attention, paged_format, pool_bits_per_element
 from kvsqueeze.kernels.reference import attend_segments
 from kvsqueeze.quant.integer import fake_quantize
@@ -20,7 +21,8 @@ def _kv(p, seed=0, h=H, d=D):
     return k, torch.randn(p, h, N, d, generator=g)
 
 
-@pytest.mark.parametrize("name,preset", [("kivi-4", "kivi-4"), ("kivi-2", "kivi-2"), ("int8", "int8")])
+@pytest.mark.parametrize("name,preset", [("kivi-4", "kivi-4"), ("kivi-2", "kivi-2"), ("int8", "int8"),
+                                         ("kivi-4-sink4", "kivi-4"), ("kivi-2-sink4", "kivi-2-sink4")])
 def test_pages_decode_to_what_the_preset_stores(name, preset):
     """A page of 32 tokens is one KIVI key group: decoding equals the preset's own quantize-dequantize."""
     fmt = paged_format(name)
@@ -38,7 +40,8 @@ def test_bits_per_element():
     assert paged_format("kivi-2").bits_per_element(N, D) == 3.0
     assert paged_format("int8").bits_per_element(N, D) == 8.5
     assert pool_bits_per_element(paged_format("kivi-4"), N, D) == 5.0
-    with pytest.raises(ValueError, match="allowed: kivi-4, kivi-2, int8"):
+    assert paged_format("kivi-2-sink4").bits_per_element(N, D) == 3.0  # in the pool; sinks are counted by kv_bytes
+    with pytest.raises(ValueError, match="allowed: kivi-4, kivi-2, int8, kivi-4-sink4, kivi-2-sink4"):
         paged_format("kivi-3")
 
 
@@ -62,11 +65,15 @@ def test_chunked_writes_give_the_same_pool(name):
         pool = torch.zeros(6, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
         store = PagedStore(fmt, N, H, D)
         _fill(store, pool, k, v, [4, 1, 3, 0], chunks)
+        store.flush(pool, torch.tensor([[4, 1, 3, 0]]), torch.tensor([T]))  # sink formats pack here
         assert set(store.partial) == {0}  # the last page (7 tokens) stays in full precision
         assert torch.equal(store.partial[0][0, :, :7], k[3 * N:].transpose(0, 1))
         pools.append(pool)
     assert all(torch.equal(p, pools[0]) for p in pools[1:])
-    expect = fmt.encode(k[:3 * N].reshape(3, N, H, D).transpose(1, 2), v[:3 * N].reshape(3, N, H, D).transpose(1, 2))
+    k3, v3 = k[:3 * N].reshape(3, N, H, D).transpose(1, 2).clone(), v[:3 * N].reshape(3, N, H, D).transpose(1, 2).clone()
+    if fmt.sinks:  # the first page without its sinks (each replaced by the token after them)
+        k3[0, :, : fmt.sinks], v3[0, :, : fmt.sinks] = k3[0, :, fmt.sinks:fmt.sinks + 1], v3[0, :, fmt.sinks:fmt.sinks + 1]
+    expect = fmt.encode(k3, v3)
     assert torch.equal(pools[0][[4, 1, 3], :, : expect.shape[-1]], expect)
 
 
@@ -95,9 +102,7 @@ def _reference(q, segments_k, segments_v, length, scale):
     return attend_segments(q.transpose(0, 1)[None], segs, mask, scale)[0].transpose(0, 1)
 
 
-@pytest.mark.parametrize("name", list(FORMATS))
-@pytest.mark.parametrize("hq", [2, 6])  # MHA and GQA (3 query heads per KV head)
-def test_paged_attention_matches_the_reference(name, hq):
+def _paged_case(name, hq, dtype, kernel):
     """Prefill chunks and decode steps of three sequences of different lengths (one ends on a page boundary),
     attention read from the packed pages and the partial pages, against the reference over the same K/V."""
     fmt = paged_format(name)
@@ -106,8 +111,8 @@ def test_paged_attention_matches_the_reference(name, hq):
     blocks = [[7, 2, 9], [4], [0, 8, 3, 5]]
     pool = torch.zeros(10, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
     store = PagedStore(fmt, N, H, D)
-    ks = [torch.randn(t, H, D) for t in lens]
-    vs = [torch.randn(t, H, D) for t in lens]
+    ks = [torch.randn(t, H, D).to(dtype) for t in lens]  # the model's dtype: the partial pages keep it
+    vs = [torch.randn(t, H, D).to(dtype) for t in lens]
     table = torch.zeros(3, 4, dtype=torch.int32)
     for s, b in enumerate(blocks):
         table[s, : len(b)] = torch.tensor(b)
@@ -120,22 +125,81 @@ def test_paged_attention_matches_the_reference(name, hq):
         t0 = lens[s] - qlens[s]
         slots = torch.tensor([blocks[s][i // N] * N + i % N for i in range(t0, lens[s])])
         store.write(pool, ks[s][t0:], vs[s][t0:], slots)
-    q = torch.randn(sum(qlens), hq, D)
+    q = torch.randn(sum(qlens), hq, D).to(dtype)
     qsl = torch.tensor([0, 1, 21, 61])
-    got = paged_attention(q, store, pool, table, torch.tensor(lens), qsl, scale, pages_per_step=2)
+    got = paged_attention(q, store, pool, table, torch.tensor(lens), qsl, scale, pages_per_step=2, kernel=kernel)
+    assert got.dtype == dtype
+    # the reference's own float32 rounding; the C++ kernel scores integer keys with a query rounded to ~15 bits
+    # (kernels/cpu.py integer_scores); half-precision outputs are rounded once at the end
+    tol = {torch.float32: 2e-5 if not kernel else 4e-4, torch.bfloat16: 1e-2}[dtype]
     for s in range(3):
         n_full, tail = divmod(lens[s], N)
         seg_k, seg_v = [], []
         if n_full:
             dk, dv = fmt.decode(pool[blocks[s][:n_full]], N, D)
+            if fmt.sinks:  # a sequence's first tokens are read exactly, from beside the pool
+                dk[0, :, : fmt.sinks] = ks[s][: fmt.sinks].transpose(0, 1).float()
+                dv[0, :, : fmt.sinks] = vs[s][: fmt.sinks].transpose(0, 1).float()
             seg_k.append(dk.transpose(0, 1).reshape(H, -1, D))
             seg_v.append(dv.transpose(0, 1).reshape(H, -1, D))
         if tail:  # the last, partial page is exact
-            seg_k.append(ks[s][n_full * N:].transpose(0, 1))
-            seg_v.append(vs[s][n_full * N:].transpose(0, 1))
-        ref = _reference(q[qsl[s]:qsl[s + 1]], seg_k, seg_v, lens[s], scale)
-        torch.testing.assert_close(got[qsl[s]:qsl[s + 1]], ref, atol=2e-5, rtol=2e-5)
+            seg_k.append(ks[s][n_full * N:].transpose(0, 1).float())
+            seg_v.append(vs[s][n_full * N:].transpose(0, 1).float())
+        ref = _reference(q[qsl[s]:qsl[s + 1]].float(), seg_k, seg_v, lens[s], scale)
+        torch.testing.assert_close(got[qsl[s]:qsl[s + 1]].float(), ref, atol=tol, rtol=tol)
         # and the quantization is real: packed pages differ from the exact K/V
         if n_full:
-            assert not torch.equal(seg_k[0], ks[s][: n_full * N].reshape(n_full, N, H, D).permute(2, 0, 1, 3)
-                                   .reshape(H, -1, D))
+            assert not torch.equal(seg_k[0], ks[s][: n_full * N].float().reshape(n_full, N, H, D)
+                                   .permute(2, 0, 1, 3).reshape(H, -1, D))
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("hq", [2, 6])  # MHA and GQA (3 query heads per KV head)
+def test_paged_attention_reference_matches_kernels_reference(name, hq):
+    _paged_case(name, hq, torch.float32, kernel=False)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("hq", [2, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_cpu_kernel_matches_the_reference(cpu_isa, name, hq, dtype, monkeypatch):
+    """The C++ kernel reads the pages in place (decode for 1 query, its multi-query entry for 20 and 40)."""
+    def no_fallback(*_):
+        raise AssertionError("the torch reference ran where the C++ kernel should have")
+
+    monkeypatch.setattr(paged, "_reference_sequence", no_fallback)
+    _paged_case(name, hq, dtype, kernel=True)
+
+
+def test_sink_tokens_stay_exact_and_out_of_their_page_ranges():
+    """A sequence's first page, packed at the step's flush, keeps its 4 sink tokens exactly beside the pool and
+    quantizes the rest of the page without them: an outlier sink widens no channel's range."""
+    fmt, plain = paged_format("kivi-2-sink4"), paged_format("kivi-2")
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(N + 3, H, D, generator=g), torch.randn(N + 3, H, D, generator=g)
+    k[0] *= 50  # the sink's outlier channels
+    errors = {}
+    for f in (fmt, plain):
+        pool = torch.zeros(4, H, f.token_bytes(N, D) * N, dtype=torch.uint8)
+        store = PagedStore(f, N, H, D)
+        _fill(store, pool, k, v, [2, 0], [N + 3])
+        table, lens = torch.tensor([[2, 0]]), torch.tensor([N + 3])
+        assert (2 in store.pending) == bool(f.sinks)  # sink formats pack at the flush
+        store.flush(pool, table, lens)
+        assert not store.pending
+        dk, _ = f.decode(pool[[2]], N, D)
+        errors[f.name] = (dk[0, :, 4:] - k[4:N].transpose(0, 1)).abs().mean().item()
+    assert torch.equal(store.sinks.get(2, torch.empty(0)), torch.empty(0))  # kivi-2 keeps none
+    assert errors["kivi-2-sink4"] < errors["kivi-2"] / 5
+
+
+def test_a_reused_block_drops_its_sinks():
+    fmt = paged_format("kivi-4-sink4")
+    pool = torch.zeros(2, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    x = torch.randn(N, H, D)
+    _fill(store, pool, x, x, [1], [N])
+    store.flush(pool, torch.tensor([[1]]), torch.tensor([N]))
+    assert torch.equal(store.sinks[1][0], x[:4].transpose(0, 1))
+    _fill(store, pool, x[:2], x[:2], [1], [2])  # block 1 given to another sequence, from offset 0
+    assert 1 not in store.sinks

@@ -6,12 +6,14 @@ named it in vLLM's backend registry.
 The backend asks vLLM for pages of ``token_bytes`` per (KV head, token) (``customize_spec``: vLLM sizes its pool
 and counts blocks from that), writes tokens through :class:`~kvsqueeze.kernels.paged.PagedStore` (a page is packed
 when its last slot is written; a sequence's last, partial page stays in full precision outside the pool) and
-computes attention with :func:`~kvsqueeze.kernels.paged.paged_attention` on the packed pages, for decode and
-chunked prefill alike.
+computes attention with :func:`~kvsqueeze.kernels.paged.paged_attention` on the packed pages (kvsqueeze's C++
+kernel reading them in place on a CPU), for decode and chunked prefill alike.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -32,6 +34,15 @@ from .vllm_plugin import ENV, unsupported_features
 
 def _format():
     return paged_format(os.environ.get(ENV) or "kivi-4")
+
+
+@functools.cache
+def _announce(name: str) -> None:
+    """Say once per process, in vLLM's log, which format is stored and what computes attention on it."""
+    from ..kernels import cpu
+
+    path = cpu.describe()["path"] if cpu.load_extension() is not None else "torch reference (kernels/paged.py)"
+    logging.getLogger("kvsqueeze").warning("kvsqueeze vLLM backend: pages in %s, attention by %s", name, path)
 
 
 class KvsqueezeAttentionBackend(AttentionBackend):
@@ -128,6 +139,7 @@ class KvsqueezeAttentionImpl(AttentionImpl[KvsqueezeMetadata]):
         pages = kv_cache.view(torch.uint8).view(b, h, -1)
         if self.store is None:
             self.store = PagedStore(_format(), n, h, self.head_size)
+            _announce(self.store.fmt.name)
         return pages
 
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

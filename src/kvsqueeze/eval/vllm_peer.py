@@ -151,11 +151,13 @@ def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1
     elements = 2 * tokens * batch * layers * layout["num_kv_heads"] * layout["head_dim"]
     if peer.plugin_format:
         # packed cells (codes and fp16 parameters, as vLLM allocates them) for full pages; each sequence's last,
-        # partial page in the weights' dtype, outside vLLM's pool
+        # partial page and its sink tokens (copies of its first tokens: the page holds their codes too) in the
+        # weights' dtype, outside vLLM's pool
         tail = tokens % PAGE_TOKENS
         packed_tokens = tokens - tail
+        sinks = paged_format(peer.plugin_format).sinks if packed_tokens else 0
         packed = packed_tokens * batch * layers * layout["num_kv_heads"] * peer.cell_bytes(layout["head_dim"])
-        full = 2 * tail * batch * layers * layout["num_kv_heads"] * layout["head_dim"] * 2
+        full = 2 * (tail + sinks) * batch * layers * layout["num_kv_heads"] * layout["head_dim"] * 2
         quantized_elements = elements * packed_tokens // tokens
         totals = _KVBytes(packed, 0, full, elements, quantized_elements)
     else:

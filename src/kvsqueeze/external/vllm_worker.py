@@ -61,7 +61,7 @@ def _check_cpu_backend(kv_cache_dtype: str) -> None:
 # vllm.general_plugins "kvsqueeze") storing <format> in vLLM's pages; the plugin reads the format from this variable
 KVSQUEEZE_PREFIX = "kvsqueeze-"
 PLUGIN_ENV = "KVSQUEEZE_VLLM_KV"
-PLUGIN_FORMATS = ("kivi-4", "kivi-2", "int8")  # kvsqueeze.kernels.paged.FORMATS (a test keeps them equal)
+PLUGIN_FORMATS = ("kivi-4", "kivi-2", "int8", "kivi-4-sink4", "kivi-2-sink4")  # kvsqueeze.kernels.paged.FORMATS (a test keeps them equal)
 PLUGIN_BLOCK_SIZE = 32  # kvsqueeze.kernels.paged.PAGE_TOKENS
 PLUGIN_INSTALL = ("install kvsqueeze into vLLM's virtualenv without its dependencies (it brings the plugin): "
                   "VLLM_PYTHON -m pip install --no-deps KVSQUEEZE_SOURCE (docs/vllm.md)")

@@ -6,16 +6,19 @@ A page holds ``n`` tokens of every KV head.  Per KV head, its bytes are laid out
 
 * ``kivi-4`` / ``kivi-2``: keys per channel over the page's tokens (one scale and zero per channel per page: the
   KIVI grouping, with the page as the token group), values per token in groups of 32 channels;
-* ``int8``: keys and values per token in groups of 64 channels.
+* ``int8``: keys and values per token in groups of 64 channels;
+* ``kivi-4-sink4`` / ``kivi-2-sink4``: as kivi-4 / kivi-2, and a sequence's first 4 tokens (attention sinks) also
+  kept in full precision beside the pool, its first page packed without them.
 
 Integer codes and parameters follow :func:`kvsqueeze.quant.integer.quantize_groups` (min-max, offset rounded
 down and scale rounded up in fp16), so a packed page decodes to what kvsqueeze's own cache would store.
 
 A page is packed when its last token is written; until then (a sequence's last, partial page) its tokens are
 kept in full precision by :class:`PagedStore`, outside the pool.  :func:`paged_attention` reads a sequence's
-pages a few at a time (decoded, scored, merged by an online softmax) and its partial page from the store: no
-full-precision copy of a sequence's history is built.  Torch and :mod:`kvsqueeze.quant` only: it runs inside
-vLLM's processes, whose transformers is older than kvsqueeze's.
+pages in place with kvsqueeze's C++ kernel (:func:`kvsqueeze.kernels.cpu.attend_pages`), or, where it is not
+built, decodes them a few at a time in torch (the reference it is tested against); the partial page and sinks
+come from the store: no full-precision copy of a sequence's history is built.  Nothing here imports transformers:
+it runs inside vLLM's processes, whose transformers is older than kvsqueeze's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class PagedFormat:
     value_bits: int
     key_group: int  # channels per key group (per-token keys), or 0: per channel over the page's tokens
     value_group: int  # channels per value group (values are per token)
+    sinks: int = 0  # a sequence's first tokens also kept in full precision, outside the pool and its statistics
 
     def _parts(self, n: int, d: int) -> list[tuple[str, int]]:
         """(name, bytes) of one KV head's page, in order."""
@@ -51,6 +55,8 @@ class PagedFormat:
                 ("value_scale", v_params * PARAM_BYTES), ("value_zero", v_params * PARAM_BYTES)]
 
     def check(self, n: int, d: int) -> None:
+        if not 0 <= self.sinks < n:
+            raise ValueError(f"{self.name}: {self.sinks} sink tokens do not fit a page of {n}")
         for g in (self.key_group, self.value_group):
             if g and d % g:
                 raise ValueError(f"{self.name}: head_dim {d} is not a multiple of its {g}-channel groups")
@@ -66,6 +72,26 @@ class PagedFormat:
 
     def bits_per_element(self, n: int, d: int) -> float:
         return 8 * self.page_bytes(n, d) / (n * 2 * d)
+
+    def kernel_layout(self, n: int, d: int) -> list[int]:
+        """Where the C++ kernel finds a head's page parts (``read_pages``): byte offsets of key codes, scale, zero,
+        value codes, scale, zero, then the bytes of one row of each (a token; the page for per-channel keys)."""
+        at, offsets = 0, {}
+        for name, b in self._parts(n, d):
+            offsets[name] = at
+            at += b
+        k_row = PARAM_BYTES * (d if self.key_group == 0 else d // self.key_group)
+        v_row = PARAM_BYTES * (d // self.value_group)
+        order = [f"{side}_{part}" for side in ("key", "value") for part in ("codes", "scale", "zero")]
+        return [offsets[name] for name in order] + [packed_nbytes(d, self.key_bits), k_row, k_row,
+                                                     packed_nbytes(d, self.value_bits), v_row, v_row]
+
+    def kernel_format(self, n: int) -> list[int]:
+        """The 12 ints (keys, then values) of a page's format for the C++ kernel."""
+        from .cpu import int_codes_format
+
+        return (int_codes_format(self.key_bits, self.key_group or n, self.key_group == 0)
+                + int_codes_format(self.value_bits, self.value_group, False))
 
     def _split(self, flat: Tensor, n: int, d: int) -> dict[str, Tensor]:
         out, at = {}, 0
@@ -119,6 +145,8 @@ FORMATS: dict[str, PagedFormat] = {
     "kivi-4": PagedFormat("kivi-4", 4, 4, key_group=0, value_group=32),
     "kivi-2": PagedFormat("kivi-2", 2, 2, key_group=0, value_group=32),
     "int8": PagedFormat("int8", 8, 8, key_group=64, value_group=64),
+    "kivi-4-sink4": PagedFormat("kivi-4-sink4", 4, 4, key_group=0, value_group=32, sinks=4),
+    "kivi-2-sink4": PagedFormat("kivi-2-sink4", 2, 2, key_group=0, value_group=32, sinks=4),
 }
 
 
@@ -130,12 +158,20 @@ def paged_format(name: str) -> PagedFormat:
 
 class PagedStore:
     """Writes tokens into packed pages of a pool ``pages`` [num_blocks, H, >= page_bytes] (uint8): each page
-    stays in full precision here until its last slot is written, then it is packed into the pool."""
+    stays in full precision here until its last slot is written, then it is packed into the pool.
+
+    Formats with sinks (attention-sink tokens: a sequence's first tokens draw much of every query's attention and
+    carry outlier channels) keep a sequence's first ``fmt.sinks`` tokens in full precision beside its first page,
+    and pack that page with those rows replaced by the next token, so the outliers widen no channel's range.
+    Which page opens a sequence is known only from the step's block table, so sink formats pack a completed page
+    at :meth:`flush` (the start of the step's attention) instead of at its write."""
 
     def __init__(self, fmt: PagedFormat, block_size: int, num_kv_heads: int, head_dim: int):
         fmt.check(block_size, head_dim)
         self.fmt, self.n, self.h, self.d = fmt, block_size, num_kv_heads, head_dim
         self.partial: dict[int, Tensor] = {}  # block id -> [2, H, n, d] (keys, values) in the model's dtype
+        self.pending: dict[int, Tensor] = {}  # sink formats: complete pages not packed yet, as partial's
+        self.sinks: dict[int, Tensor] = {}  # first block of a sequence -> [2, H, sinks, d], the model's dtype
 
     def write(self, pages: Tensor, key: Tensor, value: Tensor, slot_mapping: Tensor) -> None:
         """Store key/value [T, H, d] at ``slot_mapping`` [T] (block * n + offset; negative = padding).  A
@@ -151,8 +187,10 @@ class PagedStore:
             j = i
             while j + 1 < len(slots) and slots[j + 1] == slots[j] + 1 and slots[j + 1] % n:
                 j += 1  # a run of consecutive slots inside the same page
-            if off == 0:  # the page starts (again): a stale buffer of a freed block is dropped
+            if off == 0:  # the page starts (again): a stale buffer (and sinks) of a freed block are dropped
                 buf = key.new_zeros((2, self.h, n, self.d))
+                self.sinks.pop(block, None)
+                self.pending.pop(block, None)
             else:
                 buf = self.partial.get(block)
                 if buf is None:
@@ -166,11 +204,34 @@ class PagedStore:
             else:
                 self.partial[block] = buf
             i = j + 1
-        if full:
-            blocks = torch.tensor([b for b, _ in full], dtype=torch.long)
-            kv = torch.stack([buf for _, buf in full], dim=1)  # [2, P, H, n, d]
-            packed = self.fmt.encode(kv[0], kv[1])
-            pages[blocks, :, : packed.shape[-1]] = packed
+        if self.fmt.sinks:
+            self.pending.update(full)
+        elif full:
+            self._pack(pages, full)
+
+    def flush(self, pages: Tensor, block_table: Tensor, seq_lens: Tensor) -> None:
+        """Pack the pages completed since the last call; a page that opens one of the step's sequences
+        (``block_table[s, 0]``) keeps its sink tokens in full precision here."""
+        if not self.pending:
+            return
+        lens = seq_lens.tolist()
+        firsts = {int(block_table[s, 0]) for s in range(len(lens)) if lens[s] >= self.n}
+        full = []
+        for block, buf in self.pending.items():
+            if block in firsts:
+                k = self.fmt.sinks
+                self.sinks[block] = buf[:, :, :k].clone()
+                buf = buf.clone()
+                buf[:, :, :k] = buf[:, :, k:k + 1]  # out of the page's ranges; the kernel reads them from here
+            full.append((block, buf))
+        self.pending.clear()
+        self._pack(pages, full)
+
+    def _pack(self, pages: Tensor, full: list[tuple[int, Tensor]]) -> None:
+        blocks = torch.tensor([b for b, _ in full], dtype=torch.long)
+        kv = torch.stack([buf for _, buf in full], dim=1)  # [2, P, H, n, d]
+        packed = self.fmt.encode(kv[0], kv[1])
+        pages[blocks, :, : packed.shape[-1]] = packed
 
 
 NEG_INF = float("-inf")
@@ -191,42 +252,73 @@ def _merge(state: list[Tensor], q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, f
 
 def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table: Tensor, seq_lens: Tensor,
                     query_start_loc: Tensor, scale: float, out: Tensor | None = None,
-                    pages_per_step: int = 16) -> Tensor:
+                    pages_per_step: int = 16, kernel: bool = True) -> Tensor:
     """Causal attention of ``query`` [T, Hq, d] (each sequence's queries are its last tokens) over the packed
-    pages named by ``block_table`` [S, max_blocks] and the store's partial pages; returns [T, Hq, d].
+    pages named by ``block_table`` [S, max_blocks], the store's sink tokens and its partial pages; returns
+    [T, Hq, d].
 
-    ``pages_per_step`` pages are decoded at a time and merged by an online softmax (log-sum-exp)."""
-    n, h, d = store.n, store.h, store.d
-    hq = query.shape[1]
-    rep = hq // h
+    Per sequence, kvsqueeze's C++ kernel reads the pages in place (:func:`kvsqueeze.kernels.cpu.attend_pages`);
+    where it is not built, or with ``kernel=False``, the reference here decodes ``pages_per_step`` pages at a time
+    and merges them by an online softmax (log-sum-exp)."""
+    n, d = store.n, store.d
+    store.flush(pages, block_table, seq_lens)
     if out is None:
         out = torch.empty_like(query)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    layout, fmt_ints = store.fmt.kernel_layout(n, d), store.fmt.kernel_format(n)
     for s, length in enumerate(lens):
         q0, q1 = qsl[s], qsl[s + 1]
-        ql = q1 - q0
-        if ql == 0:
+        if q1 == q0:
             continue
-        # [H, rep * ql, d]: query heads grouped by their KV head (head i reads KV head i // rep)
-        q = query[q0:q1].float().transpose(0, 1).reshape(h, rep * ql, d) * scale
-        qpos = torch.arange(length - ql, length).repeat(rep)  # absolute position of each query row
-        state = [torch.full((h, rep * ql, 1), NEG_INF), torch.zeros((h, rep * ql, 1)), torch.zeros((h, rep * ql, d))]
         n_full, tail = divmod(length, n)
         row = block_table[s]
-        for p0 in range(0, n_full, pages_per_step):
-            p1 = min(p0 + pages_per_step, n_full)
-            k, v = store.fmt.decode(pages[row[p0:p1].long()], n, d)  # [P, H, n, d]
-            _merge(state, q, qpos, k.transpose(0, 1).reshape(h, -1, d), v.transpose(0, 1).reshape(h, -1, d), p0 * n)
+        buf = None
         if tail:
             buf = store.partial.get(int(row[n_full]))
             if buf is None:
                 raise RuntimeError(f"paged KV: the partial page of sequence {s} (block {int(row[n_full])}) "
                                    f"has no stored tokens")
-            _merge(state, q, qpos, buf[0, :, :tail].float(), buf[1, :, :tail].float(), n_full * n)
-        _, lsum, acc = state
-        res = acc / lsum
-        out[q0:q1] = res.reshape(h, rep, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d).to(out.dtype)
+        sinks = store.sinks.get(int(row[0])) if n_full else None
+        res = None
+        if kernel:
+            from . import cpu
+
+            def exact(x: Tensor | None, upto: int) -> tuple[Tensor, Tensor] | None:
+                return None if x is None else (x[0, :, :upto].unsqueeze(0), x[1, :, :upto].unsqueeze(0))
+
+            q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, d]
+            res = cpu.attend_pages(q, pages, row[:n_full].tolist(), n, layout, fmt_ints, exact(buf, tail), scale,
+                                   sinks=exact(sinks, store.fmt.sinks))
+            if res is not None:
+                res = res[0].transpose(0, 1)  # [ql, Hq, d]
+        if res is None:
+            res = _reference_sequence(query[q0:q1], store, pages, row, length, buf, sinks, scale, pages_per_step)
+        out[q0:q1] = res.to(out.dtype)
     return out
+
+
+def _reference_sequence(query: Tensor, store: PagedStore, pages: Tensor, row: Tensor, length: int,
+                        buf: Tensor | None, sinks: Tensor | None, scale: float, pages_per_step: int) -> Tensor:
+    """One sequence's attention [ql, Hq, d] in torch: pages decoded a few at a time (the first page's sink tokens
+    taken from ``sinks``), merged by log-sum-exp."""
+    n, h, d = store.n, store.h, store.d
+    ql, hq = query.shape[:2]
+    rep = hq // h
+    # [H, rep * ql, d]: query heads grouped by their KV head (head i reads KV head i // rep)
+    q = query.float().transpose(0, 1).reshape(h, rep * ql, d) * scale
+    qpos = torch.arange(length - ql, length).repeat(rep)  # absolute position of each query row
+    state = [torch.full((h, rep * ql, 1), NEG_INF), torch.zeros((h, rep * ql, 1)), torch.zeros((h, rep * ql, d))]
+    n_full, tail = divmod(length, n)
+    for p0 in range(0, n_full, pages_per_step):
+        p1 = min(p0 + pages_per_step, n_full)
+        k, v = store.fmt.decode(pages[row[p0:p1].long()], n, d)  # [P, H, n, d]
+        if p0 == 0 and sinks is not None:
+            k[0, :, : sinks.shape[2]], v[0, :, : sinks.shape[2]] = sinks[0].float(), sinks[1].float()
+        _merge(state, q, qpos, k.transpose(0, 1).reshape(h, -1, d), v.transpose(0, 1).reshape(h, -1, d), p0 * n)
+    if tail:
+        _merge(state, q, qpos, buf[0, :, :tail].float(), buf[1, :, :tail].float(), n_full * n)
+    _, lsum, acc = state
+    return (acc / lsum).reshape(h, rep, ql, d).permute(2, 0, 1, 3).reshape(ql, hq, d)
 
 
 PAGE_TOKENS = 32  # vLLM block size the plugin runs: a page is one KIVI key group (the kivi presets group 32 tokens)

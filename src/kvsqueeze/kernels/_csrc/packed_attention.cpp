@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_at", &KernelPlan::head_at);
   pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local());
   m.def("read_run", &read_run, "read a plan's segments once into a StoredRun that later plans put in front");
+  m.def("read_pages", &read_pages, "a paged pool's pages (vLLM's KV blocks) read in place as a stored run");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
 }
