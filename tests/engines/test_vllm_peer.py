@@ -227,7 +227,8 @@ def test_bench_with_a_vllm_row(tmp_path, tiny_llama, tiny_tokenizer, capsys):
     assert cells[2:4] == ["16.00", "1024"]  # bits/element (no quantized part), KV bytes/token
     assert cells[4] == "n/a (vLLM quantizes every token)" and cells[6] == "n/a (vLLM quantizes every token)"
     assert float(cells[5].split()[0]) == pytest.approx(row["ppl"], rel=1e-3)
-    assert cells[7] == "n/a (not run through vLLM)" and cells[-1] == "n/a (vLLM runs in its own processes)"
+    assert cells[7] == "n/a (not run through vLLM)" and cells[-2] == "n/a (vLLM runs in its own processes)"
+    assert cells[-1].startswith("vllm ")  # the attention path column names vLLM's engine and version
     assert "computed, not measured in-process" in md and "ppl_vs_bits.png" in md
     assert "| `vllm:auto` |" in out  # the table printed at the end
 
@@ -280,6 +281,10 @@ def test_plugin_bytes_are_the_pool_cells_and_the_partial_page():
     assert b["bits_per_element"] == 5.0 and b["full_precision"] == 0  # 80-byte cells, 32 whole pages
     b = kv_bytes(make_peer("vllm:kvsqueeze-int8"), layout, 1000)  # 31 pages + 8 tokens in bf16
     assert b["codes"] == 992 * 30 * 3 * 136 and b["full_precision"] == 8 * 30 * 3 * 64 * 2 * 2
+    b = kv_bytes(make_peer("vllm:kvsqueeze-kivi-4-sink4"), layout, 1024)  # + 4 sink tokens per sequence in bf16
+    assert b["codes"] == 1024 * 30 * 3 * 80 and b["full_precision"] == 4 * 30 * 3 * 64 * 2 * 2
+    assert b["bits_per_element"] == 5.0 + 16 * 4 / 1024
+    assert kv_bytes(make_peer("vllm:kvsqueeze-kivi-4-sink4"), layout, 20)["full_precision"] == 20 * 30 * 3 * 64 * 4
 
 
 def test_the_plugin_is_inert_without_its_variable(monkeypatch):

@@ -95,7 +95,7 @@ def _speed(results: dict[str, Any], name: str, ctx: int, field: str, scale: floa
     if r is None:
         return not_available(results, name, "speed")
     if r.get(field) is None:
-        return not_available(results, name, "peak_rss" if field == "peak_rss_bytes" else field)
+        return not_available(results, name, "peak_rss" if field in ("peak_rss_bytes", "peak_rss_delta_bytes") else field)
     return f"{r[field] / scale:.{digits}f}"
 
 
