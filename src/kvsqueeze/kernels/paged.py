@@ -264,35 +264,36 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     store.flush(pages, block_table, seq_lens)
     if out is None:
         out = torch.empty_like(query)
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), block_table.tolist()
     layout, fmt_ints = store.fmt.kernel_layout(n, d), store.fmt.kernel_format(n)
+    cpu = None
+    if kernel:
+        from . import cpu
+    qt = query.transpose(0, 1).unsqueeze(0) if kernel else None  # [1, Hq, T, d]: each sequence a slice of it
     for s, length in enumerate(lens):
         q0, q1 = qsl[s], qsl[s + 1]
         if q1 == q0:
             continue
         n_full, tail = divmod(length, n)
-        row = block_table[s]
+        row = rows[s]
         buf = None
         if tail:
-            buf = store.partial.get(int(row[n_full]))
+            buf = store.partial.get(row[n_full])
             if buf is None:
-                raise RuntimeError(f"paged KV: the partial page of sequence {s} (block {int(row[n_full])}) "
+                raise RuntimeError(f"paged KV: the partial page of sequence {s} (block {row[n_full]}) "
                                    f"has no stored tokens")
-        sinks = store.sinks.get(int(row[0])) if n_full else None
+        sinks = store.sinks.get(row[0]) if n_full else None
         res = None
-        if kernel:
-            from . import cpu
-
-            def exact(x: Tensor | None, upto: int) -> tuple[Tensor, Tensor] | None:
-                return None if x is None else (x[0, :, :upto].unsqueeze(0), x[1, :, :upto].unsqueeze(0))
-
-            q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, Hq, ql, d]
-            res = cpu.attend_pages(q, pages, row[:n_full].tolist(), n, layout, fmt_ints, exact(buf, tail), scale,
-                                   sinks=exact(sinks, store.fmt.sinks))
+        if cpu is not None:
+            k = store.fmt.sinks
+            res = cpu.attend_pages(qt[:, :, q0:q1], pages, row[:n_full], n, layout, fmt_ints,
+                                   None if buf is None else (buf[0:1, :, :tail], buf[1:2, :, :tail]), scale,
+                                   sinks=None if sinks is None else (sinks[0:1, :, :k], sinks[1:2, :, :k]))
             if res is not None:
-                res = res[0].transpose(0, 1)  # [ql, Hq, d]
-        if res is None:
-            res = _reference_sequence(query[q0:q1], store, pages, row, length, buf, sinks, scale, pages_per_step)
+                out[q0:q1] = res[0].transpose(0, 1)  # [ql, Hq, d], in out's dtype
+                continue
+        res = _reference_sequence(query[q0:q1], store, pages, block_table[s], length, buf, sinks, scale,
+                                  pages_per_step)
         out[q0:q1] = res.to(out.dtype)
     return out
 
