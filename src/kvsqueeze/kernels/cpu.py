@@ -418,41 +418,25 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
 
 
 def int_codes_format(bits: int, group: int, per_channel: bool) -> list[int]:
-    """The six ints of an asymmetric integer side (codes with fp16 scale and zero) for :func:`attend_pages`:
+    """The six ints of an asymmetric integer side (codes with fp16 scale and zero) for :func:`attend_paged`:
     ``group`` channels per per-token group, or tokens per per-channel group."""
     return [_INT_CHANNEL if per_channel else _INT_TOKEN, bits, group, 0, 0, 0]
 
 
-def attend_pages(query: torch.Tensor, pool: torch.Tensor, blocks: list[int], page_tokens: int, layout: list[int],
-                 page_format: list[int], tail: tuple[torch.Tensor, torch.Tensor] | None, scaling: float,
-                 sinks: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """Causal attention of one sequence's last queries ``query`` [1, Hq, Lq, D] over the pages ``blocks`` of a
-    paged pool (uint8 [blocks, H, bytes], read in place: ``_csrc/decode.h`` read_pages; ``layout`` and
-    ``page_format`` as kernels/paged.py describes a page) followed by ``tail``, the sequence's partial last page
-    in full precision (keys, values [1, H, t, D]) or None.  ``sinks`` (keys, values [1, H, s, D]) stand for the
-    first page's first s tokens.  Returns float32 [1, Hq, Lq, D], or None when the C++ kernel is not built here
-    (the caller takes its reference)."""
+def attend_paged(query: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, exact: list[torch.Tensor], page_tokens: int, layout: list[int],
+                 page_format: list[int], skip: int, scaling: float) -> torch.Tensor | None:
+    """Causal attention of every sequence's last queries (``query`` [T, Hq, D], rows ``query_start_loc[s]`` ..
+    ``query_start_loc[s + 1]``) over its pages of a paged pool (uint8 [blocks, H, bytes], read in place:
+    ``_csrc/paged.h``; ``layout`` and ``page_format`` as kernels/paged.py describes a page), named by
+    ``block_table`` [S, max_blocks] for ``seq_lens`` [S] tokens.  ``exact`` holds two tensors per sequence in the
+    model's dtype, empty where it has none: its sink copies [2, H, >= skip, D] (keys, values; they stand for the
+    first page's first ``skip`` tokens) and its partial last page [2, H, page_tokens, D].  Returns float32
+    [T, Hq, D], or None when the C++ kernel is not built here (the caller takes its reference)."""
     ext = load_extension()
     if ext is None or query.device.type != "cpu":
         return None
-    d, lq = query.shape[3], query.shape[2]
-    length = len(blocks) * page_tokens + (0 if tail is None else tail[0].shape[2])
-    skip = 0 if sinks is None or not blocks else sinks[0].shape[2]
-    formats = [_FP, 16, 1, 0, 0, 0] * 2 + list(page_format)
-    kp = ext.KernelPlan()
-    kp.formats, kp.mask, kp.kv_offset, kp.query_start, kp.scaling = formats, _EMPTY, 0, length - lq, float(scaling)
-    exact = [(0, sinks)] if skip else []
-    if tail is not None and tail[0].shape[2]:
-        exact.append((len(blocks) * page_tokens, tail))
-    # (pybind hands out copies of the plan's lists: each is assigned whole)
-    kp.parts = [t for _, (k, v) in exact for t in (k, _EMPTY, _EMPTY, v, _EMPTY, _EMPTY)]
-    kp.positions = [pos for pos, _ in exact]
-    kp.lengths = [kv[0].shape[2] for _, kv in exact]
-    kp.is_new = [int(pos + kv[0].shape[2] > length - lq) for pos, kv in exact]
-    kp.format_index = [0] * len(exact)
-    kp.head = ext.read_pages(pool, blocks, page_tokens, length - lq, layout, formats, d, skip)
-    kp.head_at = 1 if skip else 0  # the pages go after the sinks, before the partial page
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
-    if lq > MAX_QUERIES:
-        return ext.attend_multi(q, kp, Q_TILE, K_TILE)
-    return ext.attend(q, kp, CHUNK_TOKENS)
+    formats = [_FP, 16, 1, 0, 0, 0] * 2 + list(page_format)
+    return ext.attend_paged(q, pool, block_table, seq_lens, query_start_loc, exact, page_tokens, layout, formats,
+                            skip, float(scaling), CHUNK_TOKENS, MAX_QUERIES, Q_TILE, K_TILE)

@@ -15,7 +15,7 @@ down and scale rounded up in fp16), so a packed page decodes to what kvsqueeze's
 
 A page is packed when its last token is written; until then (a sequence's last, partial page) its tokens are
 kept in full precision by :class:`PagedStore`, outside the pool.  :func:`paged_attention` reads a sequence's
-pages in place with kvsqueeze's C++ kernel (:func:`kvsqueeze.kernels.cpu.attend_pages`), or, where it is not
+pages in place with kvsqueeze's C++ kernel (:func:`kvsqueeze.kernels.cpu.attend_paged`), or, where it is not
 built, decodes them a few at a time in torch (the reference it is tested against); the partial page and sinks
 come from the store: no full-precision copy of a sequence's history is built.  Nothing here imports transformers:
 it runs inside vLLM's processes, whose transformers is older than kvsqueeze's.
@@ -235,6 +235,7 @@ class PagedStore:
 
 
 NEG_INF = float("-inf")
+_NONE = torch.empty(0)  # the C++ kernel's "no such tensor" in a list of tensors
 
 
 def _merge(state: list[Tensor], q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, first: int) -> None:
@@ -257,7 +258,7 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     pages named by ``block_table`` [S, max_blocks], the store's sink tokens and its partial pages; returns
     [T, Hq, d].
 
-    Per sequence, kvsqueeze's C++ kernel reads the pages in place (:func:`kvsqueeze.kernels.cpu.attend_pages`);
+    Per sequence, kvsqueeze's C++ kernel reads the pages in place (:func:`kvsqueeze.kernels.cpu.attend_paged`);
     where it is not built, or with ``kernel=False``, the reference here decodes ``pages_per_step`` pages at a time
     and merges them by an online softmax (log-sum-exp)."""
     n, d = store.n, store.d
@@ -265,11 +266,19 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     if out is None:
         out = torch.empty_like(query)
     qsl, lens, rows = query_start_loc.tolist(), seq_lens.tolist(), block_table.tolist()
-    layout, fmt_ints = store.fmt.kernel_layout(n, d), store.fmt.kernel_format(n)
-    cpu = None
     if kernel:
         from . import cpu
-    qt = query.transpose(0, 1).unsqueeze(0) if kernel else None  # [1, Hq, T, d]: each sequence a slice of it
+
+        exact = []  # per sequence: its sink copies and its partial page, or nothing
+        for length, row in zip(lens, rows):
+            n_full, tail = divmod(length, n)
+            exact.append(store.sinks.get(row[0], _NONE) if n_full else _NONE)
+            exact.append(store.partial.get(row[n_full], _NONE) if tail else _NONE)
+        res = cpu.attend_paged(query, pages, block_table, seq_lens, query_start_loc, exact, n,
+                               store.fmt.kernel_layout(n, d), store.fmt.kernel_format(n), store.fmt.sinks, scale)
+        if res is not None:
+            out[: res.shape[0]] = res
+            return out
     for s, length in enumerate(lens):
         q0, q1 = qsl[s], qsl[s + 1]
         if q1 == q0:
@@ -283,15 +292,6 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
                 raise RuntimeError(f"paged KV: the partial page of sequence {s} (block {row[n_full]}) "
                                    f"has no stored tokens")
         sinks = store.sinks.get(row[0]) if n_full else None
-        res = None
-        if cpu is not None:
-            k = store.fmt.sinks
-            res = cpu.attend_pages(qt[:, :, q0:q1], pages, row[:n_full], n, layout, fmt_ints,
-                                   None if buf is None else (buf[0:1, :, :tail], buf[1:2, :, :tail]), scale,
-                                   sinks=None if sinks is None else (sinks[0:1, :, :k], sinks[1:2, :, :k]))
-            if res is not None:
-                out[q0:q1] = res[0].transpose(0, 1)  # [ql, Hq, d], in out's dtype
-                continue
         res = _reference_sequence(query[q0:q1], store, pages, block_table[s], length, buf, sinks, scale,
                                   pages_per_step)
         out[q0:q1] = res.to(out.dtype)

@@ -207,60 +207,6 @@ std::shared_ptr<StoredRun> read_run(const KernelPlan& p, int64_t D) {
   return run;
 }
 
-// Pages of a paged pool (vLLM's KV blocks, kernels/paged.py) as a stored run, read in place: ``pool`` is uint8
-// [blocks, H, bytes], and each listed block holds ``n`` tokens of every KV head.  ``layout`` gives the byte offset
-// within a head's page of its 6 parts in plan order (keys: codes, scale, zero; values: the same), then each part's
-// row bytes (a row is a token, or the whole page for per-channel parameters); codes are bytes, parameters fp16.  Page i holds positions [i n, (i + 1) n); pages that reach ``query_start``
-// or past it hold the step's own tokens (causal among themselves).  The first page's first ``skip`` tokens are left
-// out (the caller holds them exactly: sink tokens): its segment starts at row ``skip`` of every per-token part,
-// while per-channel parameters (one row per page) stay where they are.
-std::shared_ptr<StoredRun> read_pages(const at::Tensor& pool, const std::vector<int64_t>& blocks, int64_t n,
-                                      int64_t query_start, const std::vector<int64_t>& layout,
-                                      const std::vector<int64_t>& formats, int64_t D, int64_t skip) {
-  TORCH_CHECK(pool.scalar_type() == at::kByte && pool.dim() == 3 && pool.stride(2) == 1,
-              "the page pool must be uint8 [blocks, H, bytes] with contiguous bytes");
-  TORCH_CHECK(layout.size() == 12 && formats.size() == 24, "a page layout has 6 offsets and 6 row sizes, and the "
-              "plan's formats are 2 (exact tokens, then the pages')");
-  TORCH_CHECK(D > 0 && D <= 512 && n > 0, "head_dim up to 512 is supported");
-  TORCH_CHECK(skip >= 0 && skip < n, "the tokens left out of the first page must be fewer than a page");
-  const char* base = static_cast<const char*>(pool.data_ptr());
-  const char* end = static_cast<const char*>(pool.storage().data()) + pool.storage().nbytes();
-  const int64_t nb = pool.size(0);
-  auto run = std::make_shared<StoredRun>();
-  run->parts = {pool};
-  run->formats = formats;
-  run->Hkv = pool.size(1);
-  const int64_t* f = formats.data() + 12;
-  run->segs.reserve(blocks.size());
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    TORCH_CHECK(blocks[i] >= 0 && blocks[i] < nb, "page block ", blocks[i], " is outside the pool of ", nb);
-    Seg s;
-    const int64_t from = i == 0 ? skip : 0;
-    Side* sides[2] = {&s.k, &s.v};
-    for (int w = 0; w < 2; ++w) {
-      const int64_t* fm = f + 6 * w;
-      TORCH_CHECK(fm[0] == INT_TOKEN || fm[0] == INT_CHANNEL, "pages hold integer codes");
-      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
-      Part* parts[3] = {&sides[w]->x, &sides[w]->scale, &sides[w]->zero};
-      for (int j = 0; j < 3; ++j) {
-        Part& p = *parts[j];
-        p.sr = layout[6 + 3 * w + j];
-        const bool per_token = j == 0 || sides[w]->f.kind == INT_TOKEN;
-        p.ptr = base + blocks[i] * pool.stride(0) + layout[3 * w + j] + (per_token ? from * p.sr : 0);
-        p.end = end;
-        p.sh = pool.size(1) == 1 ? 0 : pool.stride(1);
-        p.dt = j == 0 ? at::kByte : at::kHalf;  // codes, then fp16 parameters
-      }
-    }
-    s.pos = static_cast<int64_t>(i) * n + from;
-    s.n = n - from;
-    s.fmt = 1;
-    s.is_new = s.pos + s.n > query_start;
-    run->segs.push_back(s);
-  }
-  return run;
-}
-
 // What both entry points read: every segment in order, each format's field orders (formats no segment uses get
 // identity orders, never read) and, per format, a rotated-codebook side holding its table.
 struct Segments {

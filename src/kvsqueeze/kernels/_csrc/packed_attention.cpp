@@ -13,7 +13,8 @@
 // points take, and the StoredRun it may reuse), simd_generic.h / simd_avx2.h (helpers per instruction set),
 // codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in
 // registers), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), mask.h, decode.h (the decode entry point),
-// multi.h (the multi-query entry point); this file: includes and bindings.  Each instruction-set path is its own
+// multi.h (the multi-query entry point), paged.h (both over a paged pool's sequences); this file: includes and
+// bindings.  Each instruction-set path is its own
 // build (kernels/cpu.py), so the same sources compile with or without each feature.
 
 #include <torch/extension.h>
@@ -46,6 +47,7 @@
 #include "mask.h"
 #include "decode.h"
 #include "multi.h"
+#include "paged.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<KernelPlan>(m, "KernelPlan", pybind11::module_local())  // each instruction-set build has its own
@@ -64,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("head_at", &KernelPlan::head_at);
   pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local());
   m.def("read_run", &read_run, "read a plan's segments once into a StoredRun that later plans put in front");
-  m.def("read_pages", &read_pages, "a paged pool's pages (vLLM's KV blocks) read in place as a stored run");
+  m.def("attend_paged", &attend_paged, "attention of every sequence of a paged pool (vLLM's KV blocks), in place");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
 }
