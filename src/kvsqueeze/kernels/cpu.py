@@ -129,8 +129,11 @@ def _flags(isa: str) -> list[str]:
 
 
 def _build_name(isa: str) -> str:
+    # torch's location too: two virtualenvs with the same torch (kvsqueeze's and vLLM's, docs/vllm.md) compile
+    # against different include paths, and sharing one build folder made ninja rebuild whenever they alternated
     sources = b"".join(f.read_bytes() for f in sorted(_SOURCE.parent.glob("*.[ch]*")))
-    digest = hashlib.sha256(sources + torch.__version__.encode() + " ".join(_flags(isa) + _LDFLAGS).encode())
+    digest = hashlib.sha256(sources + torch.__version__.encode() + str(Path(torch.__file__).parent).encode()
+                            + " ".join(_flags(isa) + _LDFLAGS).encode())
     return f"kvsqueeze_packed_attention_{isa.replace('-', '_')}_{digest.hexdigest()[:12]}"
 
 
