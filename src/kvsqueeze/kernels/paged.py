@@ -258,9 +258,9 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     pages named by ``block_table`` [S, max_blocks], the store's sink tokens and its partial pages; returns
     [T, Hq, d].
 
-    Per sequence, kvsqueeze's C++ kernel reads the pages in place (:func:`kvsqueeze.kernels.cpu.attend_paged`);
-    where it is not built, or with ``kernel=False``, the reference here decodes ``pages_per_step`` pages at a time
-    and merges them by an online softmax (log-sum-exp)."""
+    kvsqueeze's C++ kernel reads every sequence's pages in place, one call for the step
+    (:func:`kvsqueeze.kernels.cpu.attend_paged`); where it is not built, or with ``kernel=False``, the reference
+    here decodes ``pages_per_step`` pages of a sequence at a time and merges them by an online softmax."""
     n, d = store.n, store.d
     store.flush(pages, block_table, seq_lens)
     if out is None:
