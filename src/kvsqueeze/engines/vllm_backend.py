@@ -41,8 +41,8 @@ def _announce(name: str) -> None:
     """Say once per process, in vLLM's log, which format is stored and what computes attention on it."""
     from ..kernels import cpu
 
-    path = cpu.describe()["path"] if cpu.load_extension() is not None else "torch reference (kernels/paged.py)"
-    logging.getLogger("kvsqueeze").warning("kvsqueeze vLLM backend: pages in %s, attention by %s", name, path)
+    logging.getLogger("kvsqueeze").warning("kvsqueeze vLLM backend: pages in %s, attention by %s", name,
+                                           cpu.describe()["path"])
 
 
 class KvsqueezeAttentionBackend(AttentionBackend):

@@ -274,12 +274,21 @@ def supports(plan: SegmentPlan) -> bool:
     return _kernel_ready(plan.key_format) and _kernel_ready(plan.value_format)
 
 
+_EXACT_FORMAT = (_FP, 16, 1, 0, 0, 0)  # exact tokens (full-precision segments): format 0 of every plan
+
+
+def int_codes_format(bits: int, group: int, per_channel: bool, symmetric: bool = False) -> list[int]:
+    """The six ints of an integer side (codes with fp16 scale, and zero unless symmetric): ``group`` channels per
+    per-token group, or tokens per per-channel group."""
+    return [_INT_CHANNEL if per_channel else _INT_TOKEN, bits, group, int(symmetric), 0, 0]
+
+
 def _fmt(fmt: StorageFormat) -> list[int]:
     """The six ints describing a format to the kernel: kind, bits, group, symmetric, fp8 variant, fixed scale."""
     if fmt.kind == "fp":
-        return [_FP, 16, 1, 0, 0, 0]
+        return list(_EXACT_FORMAT)
     if fmt.kind == "int":
-        return [_INT_TOKEN if fmt.axis == "token" else _INT_CHANNEL, fmt.bits, fmt.group, int(fmt.symmetric), 0, 0]
+        return int_codes_format(fmt.bits, fmt.group, fmt.axis != "token", fmt.symmetric)
     if fmt.kind == "rot":  # high width, how many coordinates take it, low width, centring group (0: none)
         sp = split_bits(fmt.bits, fmt.head_dim)
         return [_CODEBOOK, sp.bits_hi, sp.n_hi, sp.bits_lo, fmt.token_group if fmt.axis == "channel" else 0, 0]
@@ -382,7 +391,7 @@ def _stored_run(plan: SegmentPlan, formats: list[int]) -> _StoredRun:
 def kernel_plan(plan: SegmentPlan, mask: torch.Tensor | None = None, scaling: float = 1.0) -> KernelPlan:
     """Flatten a segment plan into the kernel's plan; its run of stored blocks comes from the previous step's
     flattening while the store holds the same blocks."""
-    kp = KernelPlan(formats=[_FP, 16, 1, 0, 0, 0] * 2, mask=_EMPTY if mask is None else mask,
+    kp = KernelPlan(formats=list(_EXACT_FORMAT) * 2, mask=_EMPTY if mask is None else mask,
                     kv_offset=plan.first_visible, query_start=plan.query_start, scaling=float(scaling))
     if plan.key_format is not None:
         kp.formats += _fmt(plan.key_format) + _fmt(plan.value_format)
@@ -420,26 +429,21 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     return out.to(query.dtype)
 
 
-def int_codes_format(bits: int, group: int, per_channel: bool) -> list[int]:
-    """The six ints of an asymmetric integer side (codes with fp16 scale and zero) for :func:`attend_paged`:
-    ``group`` channels per per-token group, or tokens per per-channel group."""
-    return [_INT_CHANNEL if per_channel else _INT_TOKEN, bits, group, 0, 0, 0]
-
-
 def attend_paged(query: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, exact: list[torch.Tensor], page_tokens: int, layout: list[int],
+                 query_start_loc: torch.Tensor, exact: list[torch.Tensor | None], page_tokens: int, layout: list[int],
                  page_format: list[int], skip: int, scaling: float) -> torch.Tensor | None:
     """Causal attention of every sequence's last queries (``query`` [T, Hq, D], rows ``query_start_loc[s]`` ..
     ``query_start_loc[s + 1]``) over its pages of a paged pool (uint8 [blocks, H, bytes], read in place:
     ``_csrc/paged.h``; ``layout`` and ``page_format`` as kernels/paged.py describes a page), named by
     ``block_table`` [S, max_blocks] for ``seq_lens`` [S] tokens.  ``exact`` holds two tensors per sequence in the
-    model's dtype, empty where it has none: its sink copies [2, H, >= skip, D] (keys, values; they stand for the
+    model's dtype, None where it has none: its sink copies [2, H, >= skip, D] (keys, values; they stand for the
     first page's first ``skip`` tokens) and its partial last page [2, H, page_tokens, D].  Returns float32
     [T, Hq, D], or None when the C++ kernel is not built here (the caller takes its reference)."""
     ext = load_extension()
     if ext is None or query.device.type != "cpu":
         return None
     q = query.contiguous() if query.dtype == torch.float32 else query.float().contiguous()
-    formats = [_FP, 16, 1, 0, 0, 0] * 2 + list(page_format)
+    formats = list(_EXACT_FORMAT) * 2 + list(page_format)
+    exact = [_EMPTY if t is None else t for t in exact]  # the extension's "none" in a list of tensors
     return ext.attend_paged(q, pool, block_table, seq_lens, query_start_loc, exact, page_tokens, layout, formats,
                             skip, float(scaling), CHUNK_TOKENS, MAX_QUERIES, Q_TILE, K_TILE)

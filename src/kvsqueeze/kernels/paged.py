@@ -23,6 +23,7 @@ it runs inside vLLM's processes, whose transformers is older than kvsqueeze's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +210,11 @@ class PagedStore:
         elif full:
             self._pack(pages, full)
 
+    @functools.cached_property
+    def kernel_args(self) -> tuple[list[int], list[int]]:
+        """The page's layout and format for the C++ kernel (fixed for the store's life)."""
+        return self.fmt.kernel_layout(self.n, self.d), self.fmt.kernel_format(self.n)
+
     def flush(self, pages: Tensor, block_table: Tensor, seq_lens: Tensor) -> None:
         """Pack the pages completed since the last call; a page that opens one of the step's sequences
         (``block_table[s, 0]``) keeps its sink tokens in full precision here."""
@@ -235,7 +241,6 @@ class PagedStore:
 
 
 NEG_INF = float("-inf")
-_NONE = torch.empty(0)  # the C++ kernel's "no such tensor" in a list of tensors
 
 
 def _merge(state: list[Tensor], q: Tensor, qpos: Tensor, k: Tensor, v: Tensor, first: int) -> None:
@@ -261,7 +266,7 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     kvsqueeze's C++ kernel reads every sequence's pages in place, one call for the step
     (:func:`kvsqueeze.kernels.cpu.attend_paged`); where it is not built, or with ``kernel=False``, the reference
     here decodes ``pages_per_step`` pages of a sequence at a time and merges them by an online softmax."""
-    n, d = store.n, store.d
+    n = store.n
     store.flush(pages, block_table, seq_lens)
     if out is None:
         out = torch.empty_like(query)
@@ -269,13 +274,14 @@ def paged_attention(query: Tensor, store: PagedStore, pages: Tensor, block_table
     if kernel:
         from . import cpu
 
-        exact = []  # per sequence: its sink copies and its partial page, or nothing
+        exact = []  # per sequence: its sink copies and its partial page, or None
         for length, row in zip(lens, rows):
             n_full, tail = divmod(length, n)
-            exact.append(store.sinks.get(row[0], _NONE) if n_full else _NONE)
-            exact.append(store.partial.get(row[n_full], _NONE) if tail else _NONE)
-        res = cpu.attend_paged(query, pages, block_table, seq_lens, query_start_loc, exact, n,
-                               store.fmt.kernel_layout(n, d), store.fmt.kernel_format(n), store.fmt.sinks, scale)
+            exact.append(store.sinks.get(row[0]) if n_full else None)
+            exact.append(store.partial.get(row[n_full]) if tail else None)
+        layout, fmt_ints = store.kernel_args
+        res = cpu.attend_paged(query, pages, block_table, seq_lens, query_start_loc, exact, n, layout, fmt_ints,
+                               store.fmt.sinks, scale)
         if res is not None:
             out[: res.shape[0]] = res
             return out

@@ -153,7 +153,7 @@ Seg read_segment(const at::Tensor* parts, int64_t pos, int64_t n, bool is_new, i
   Side* sides[2] = {&s.k, &s.v};
   for (int w = 0; w < 2; ++w) {
     const int64_t* fm = fmts.data() + 12 * fmt + 6 * w;
-    sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+    sides[w]->f = read_fmt(fm);
     sides[w]->x = make_part(parts[3 * w]);
     sides[w]->scale = make_part(parts[3 * w + 1]);
     sides[w]->zero = make_part(parts[3 * w + 2]);

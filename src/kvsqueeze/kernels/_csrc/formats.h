@@ -47,6 +47,10 @@ __attribute__((always_inline)) inline float ld(at::ScalarType dt, const char* p,
 struct Fmt {
   int kind = FP, bits = 8, group = 1, sym = 0, fp8 = 0, fixed = 0;
 };
+// A side's format from the six ints kernels/cpu.py writes for it (_fmt)
+inline Fmt read_fmt(const int64_t* fm) {
+  return Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+}
 // CODEBOOK reuses the six ints: bits = high width, group = coordinates at the high width (first), sym = low
 // width.  Its parts: x = packed codes (high run, then low run), scale = norm per token, zero = the format's
 // table [1, 1, D + 2, W]: rows 0..D-1 the rotation R (y = x R), row D the high codebook, row D+1 the low one.

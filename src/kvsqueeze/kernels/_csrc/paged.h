@@ -26,7 +26,8 @@ std::shared_ptr<StoredRun> read_pages(const at::Tensor& pool, const std::vector<
   run->parts = {pool};
   run->formats = formats;
   run->Hkv = pool.size(1);
-  const int64_t* f = formats.data() + 12;
+  const Fmt page_fmt[2] = {read_fmt(formats.data() + 12), read_fmt(formats.data() + 18)};  // keys, values
+  for (const Fmt& f : page_fmt) TORCH_CHECK(f.kind == INT_TOKEN || f.kind == INT_CHANNEL, "pages hold integer codes");
   run->segs.reserve(blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
     TORCH_CHECK(blocks[i] >= 0 && blocks[i] < nb, "page block ", blocks[i], " is outside the pool of ", nb);
@@ -34,9 +35,7 @@ std::shared_ptr<StoredRun> read_pages(const at::Tensor& pool, const std::vector<
     const int64_t from = i == 0 ? skip : 0;
     Side* sides[2] = {&s.k, &s.v};
     for (int w = 0; w < 2; ++w) {
-      const int64_t* fm = f + 6 * w;
-      TORCH_CHECK(fm[0] == INT_TOKEN || fm[0] == INT_CHANNEL, "pages hold integer codes");
-      sides[w]->f = Fmt{int(fm[0]), int(fm[1]), int(fm[2]), int(fm[3]), int(fm[4]), int(fm[5])};
+      sides[w]->f = page_fmt[w];
       Part* parts[3] = {&sides[w]->x, &sides[w]->scale, &sides[w]->zero};
       for (int j = 0; j < 3; ++j) {
         Part& p = *parts[j];
