@@ -203,3 +203,17 @@ def test_a_reused_block_drops_its_sinks():
     assert torch.equal(store.sinks[1][0], x[:4].transpose(0, 1))
     _fill(store, pool, x[:2], x[:2], [1], [2])  # block 1 given to another sequence, from offset 0
     assert 1 not in store.sinks
+
+
+def test_sinks_that_fill_a_page_are_refused():
+    with pytest.raises(ValueError, match="32 sink tokens do not fit a page of 32"):
+        PagedStore(paged.PagedFormat("bad", 4, 4, key_group=0, value_group=32, sinks=32), N, H, D)
+
+
+def test_a_block_outside_the_pool_is_refused(cpu_isa):
+    fmt = paged_format("kivi-4")
+    pool = torch.zeros(2, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    with pytest.raises(RuntimeError, match="page block 5 is outside the pool of 2"):
+        paged_attention(torch.randn(1, H, D), store, pool, torch.tensor([[5, 0]]), torch.tensor([N]),
+                        torch.tensor([0, 1]), 0.125)
