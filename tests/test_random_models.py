@@ -73,5 +73,18 @@ def test_static_peer_runs_and_only_compileable_caches_compile(tmp_path, capsys):
     # preallocated to the run's length (32 + 2 + 1 tokens): its bytes count what it holds, not what it uses
     assert rec["kv_bytes"]["bits_per_element"] > 32
     capsys.readouterr()
-    assert main([*base, "--kv", "kivi-4", "--compile"]) == 2
-    assert "kivi-4 cache is not compileable" in capsys.readouterr().err
+    assert main([*base, "--kv", "kivi-2-sink4", "--compile"]) == 2  # the static cache refuses sinks in one line
+    assert "does not serve attention sinks" in capsys.readouterr().err
+
+
+def test_kvsqueeze_specs_compile_as_the_static_cache(tmp_path):
+    """`speed --compile --kv kivi-4`: the decode step compiled (inductor on a CPU) over StaticQuantizedCache, the
+    attention on the C++ kernel (or the reference where no compiler builds it), bytes of the whole allocation."""
+    out = tmp_path / "s.json"
+    assert main(["speed", "--random-weights", "smollm2-135m", "--layers", "2", "--context", "200", "--decode-tokens",
+                 "3", "--kv", "kivi-4", "--compile", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["compiled"] is True and rec["kv_bytes"]["tokens"] == 203
+    assert rec["attention_path"].startswith(("cpu-kernel", "reference")), rec["attention_path"]
+    # 224 rows (204 tokens rounded up to 32-token groups) of 4-bit codes for 2 layers x 3 KV heads x 64 dims
+    assert rec["kv_bytes"]["codes"] == 2 * 2 * 3 * 224 * 32

@@ -48,6 +48,7 @@ from transformers.modeling_utils import AttentionInterface
 from .cache.accounting import ByteTotals
 from .cache.arena import BlockArena
 from .cache.layer import LayerKV, StepTracker
+from .cache.static import StaticLayerKV, static_refusal
 from .errors import CacheEditError
 from .heap import release_freed_memory
 from .kernels import reference
@@ -156,6 +157,8 @@ def fast_encoder(fmt, x: torch.Tensor, into=None):
 def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs):
     layer: LayerKV | None = getattr(key, _TAG, None)
+    if isinstance(layer, StaticLayerKV):
+        return _static_attention(layer, query, attention_mask, scaling)
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -192,6 +195,25 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
     return out.transpose(1, 2).contiguous(), None
 
 
+def _static_attention(layer: StaticLayerKV, query, mask, scaling):
+    """A static layer's step: a prompt (staged, eager) is attended and committed as in the dynamic cache; a decode
+    step (written to the ring by ``update``) goes through the opaque operator, then the layer's flush (traced)."""
+    from .kernels.static_op import static_attend
+
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if layer.pending is not None:
+        try:
+            out = layer.attend(query, layer.plan_from(layer.tensors(), query.shape[2]), mask, scaling)
+        except BaseException:
+            layer.pending = None
+            raise
+        layer.commit()
+    else:
+        out = static_attend(query, mask, layer.tensors(), layer.op_id, float(scaling))
+        layer.flush()
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _kernel_path(attend: Callable, query, plan) -> str:
     """What the attend function will run for this step (its module's ``path``), e.g. 'cpu-kernel avx2'."""
     mod = sys.modules.get(getattr(attend, "__module__", ""), None)
@@ -211,7 +233,7 @@ def attention_paths(cache, model=None) -> dict[str, int]:
     """Layer-steps per attention path a cache ran on so far: ``{'cpu-kernel avx512-vnni': 960, 'sdpa': 30}`` for a
     kvsqueeze cache ('sdpa' counts prompts with nothing stored yet, 'reference' the pure-torch kernel); for any
     other cache the model's own attention implementation (e.g. ``{'sdpa': 0}``), where ``model`` is given."""
-    if isinstance(cache, QuantizedCache):
+    if isinstance(cache, (QuantizedCache, StaticQuantizedCache)):
         tot: Counter = Counter()
         for layer in cache.layers:
             tot.update(getattr(layer.kv, "paths", None) or {})
@@ -611,3 +633,107 @@ class QuantizedCache(Cache):
 
     def __repr__(self) -> str:
         return f"kvsqueeze.QuantizedCache({self.spec.name}: {self.spec.label()}, layers={len(self.layers)})"
+
+
+# ---------------------------------------------------------------------------------------------- static cache
+class _StaticHFLayer(CacheLayerMixin):
+    """A :class:`~kvsqueeze.cache.static.StaticLayerKV` for transformers: ``update`` writes a decode step's token in
+    place (a prompt is staged) and hands back the ring tensors, tagged so the attention function finds the layer."""
+
+    is_compileable = True
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, spec: CacheSpec, max_len: int, backend: str, configs: list):
+        super().__init__()
+        self.kv = StaticLayerKV(spec, max_len)
+        self.backend, self.configs = backend, configs
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        from .kernels.static_op import register_layer
+
+        kv = self.kv
+        kv.allocate(key_states, value_states)
+        attend = resolve_backend(self.backend, key_states.device)
+
+        def counted(query, plan, mask, scaling):  # the path each step ran on, for reports (attention_paths)
+            _count_path(kv, _kernel_path(attend, query, plan))
+            return attend(query, plan, mask, scaling)
+
+        kv.attend = counted
+        kv.op_id = register_layer(kv)
+        for t in (kv.ring_k, kv.ring_v):
+            setattr(t, _TAG, kv)
+        if not torch.compiler.is_compiling():  # fixed addresses: a recorded CUDA graph keeps reading them
+            for t in kv.tensors():
+                torch._dynamo.mark_static_address(t)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if any(c._attn_implementation != ATTN_NAME for c in self.configs):
+            raise RuntimeError("kvsqueeze's static cache needs the model routed for the whole run: wrap the calls "
+                               "in `with kvsqueeze.patch(model):`")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[2] == 1 and self.kv.pending is None:
+            self.kv.write_token(key_states, value_states)
+        else:
+            self.kv.stage(key_states, value_states)
+        return self.kv.ring_k, self.kv.ring_v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.max_len, 0  # mask columns are absolute positions, as the layer's plan reads them
+
+    def get_seq_length(self):
+        return self.kv.count if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.kv.max_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.kv.count.zero_()
+            self.kv.pending = None
+
+
+class StaticQuantizedCache(Cache):
+    """A quantized cache of fixed shapes whose decode step ``torch.compile`` captures (``is_compileable``).
+
+    ``StaticQuantizedCache(model.config, "kivi-4", max_cache_len=4096)``, used inside ``with kvsqueeze.patch(model):``
+    (the compiled graph reads the attention routing as a constant, so it is set for the whole run).  Everything is
+    allocated at the first step for ``max_cache_len`` tokens; a decode step writes in place and branches on no
+    value (cache/static.py).  Same codes and outputs as :class:`QuantizedCache` with the same spec.  Refused in one
+    line: sinks, sliding-window layers, calibrated artifacts, fp8 with shared scales."""
+
+    def __init__(self, config, spec: str | CacheSpec = "kivi-4", max_cache_len: int = 4096, backend: str = "auto"):
+        spec = resolve_cache_spec(spec, "StaticQuantizedCache")
+        check_backend(backend)
+        layout = kv_layout(config)
+        spec.check_head_dim(layout.head_dim)
+        why = static_refusal(spec, "sliding_attention" in layout.layer_types)
+        if why is not None:
+            raise ValueError(f"StaticQuantizedCache does not serve {why}; QuantizedCache does")
+        register()
+        self.spec, self.layout = spec, layout
+        configs = _configs(config)
+        super().__init__(layers=[_StaticHFLayer(spec, max_cache_len, backend, configs)
+                                 for _ in layout.layer_types])
+
+    def nbytes(self) -> KVBytes:
+        """Bytes allocated (every row up to ``max_cache_len``, and the ring), not bytes in use."""
+        tot = {"codes": 0, "params": 0, "fp": 0, "elements": 0, "quantized_elements": 0}
+        for layer in self.layers:
+            kv = layer.kv
+            for k, v in kv.nbytes().items():
+                tot[k] += v
+            if kv.allocated:
+                b, h, _, d = kv.ring_k.shape
+                n = int(kv.count)
+                tot["elements"] += 2 * b * h * d * n
+                tot["quantized_elements"] += 2 * b * h * d * kv.n_stored(n)
+        return KVBytes(tot["codes"], tot["params"], tot["fp"], tot["codes"] + tot["params"] + tot["fp"],
+                       tot["elements"], tot["quantized_elements"])
+
+    def __repr__(self) -> str:
+        return (f"kvsqueeze.StaticQuantizedCache({self.spec.name}: {self.spec.label()}, layers={len(self.layers)}, "
+                f"max_cache_len={self.layers[0].kv.max_len if self.layers else 0})")

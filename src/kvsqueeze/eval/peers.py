@@ -90,14 +90,15 @@ def _importable(module: str) -> bool:
         return False
 
 
-def make_cache(model: Any, name: str | CacheSpec, max_len: int | None = None) -> Any:
+def make_cache(model: Any, name: str | CacheSpec, max_len: int | None = None, static: bool = False) -> Any:
     """An empty cache for ``model``: kvsqueeze's QuantizedCache for anything :func:`kvsqueeze.resolve_kv` turns
-    into a CacheSpec, or the peer's own cache (``hf-static``: preallocated to ``max_len`` tokens)."""
+    into a CacheSpec (``static``: its StaticQuantizedCache, preallocated to ``max_len`` tokens, for compiled decode
+    steps), or the peer's own cache (``hf-static``: preallocated to ``max_len`` tokens)."""
     kv = resolve_kv(name)
     if isinstance(kv, CacheSpec):
-        from ..adapter import QuantizedCache
+        from ..adapter import QuantizedCache, StaticQuantizedCache
 
-        return QuantizedCache(model.config, kv)
+        return StaticQuantizedCache(model.config, kv, max_len) if static else QuantizedCache(model.config, kv)
     import transformers
 
     if kv.backend == "dynamic":

@@ -96,8 +96,9 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     """Prefill a ``context``-token random prompt (``batch`` rows; ``prefill_chunk`` tokens per forward pass, 0 = one
     pass) into a fresh cache, then ``decode_tokens`` greedy steps; returns times, memory and the cache's bytes.
     ``compile``: the decode step through ``torch.compile`` (CUDA graphs on a GPU), for caches that allow it."""
-    from ..adapter import attention_paths, cache_kwargs, describe_paths
-    from .peers import footprint, make_cache, prefill
+    from ..adapter import patch
+    from ..resolve import resolve_kv
+    from ..spec import CacheSpec
 
     if context < 1 or decode_tokens < 1 or batch < 1:
         raise ValueError("context, decode tokens and batch must all be positive")
@@ -107,15 +108,31 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
     head = model.get_output_embeddings()
     max_len = context + decode_tokens + 1  # what a preallocated cache (hf-static) must hold
     step_model = _compiled(model, kv, ids.is_cuda) if compile else model.base_model
+    # compiled kvsqueeze specs: the static cache, with the model routed to it for the whole run (a graph reads the
+    # routing as a constant)
+    routed = compile and isinstance(resolve_kv(kv), CacheSpec)
+    with patch(model) if routed else contextlib.nullcontext():
+        return _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, prefill_chunk, compile)
+
+
+def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, prefill_chunk, compile):
+    from ..adapter import attention_paths, cache_kwargs, describe_paths
+    from .peers import footprint, make_cache, prefill
+
+    context = ids.shape[1]
     # warm-up, untimed: one-off allocations, and the cache's kernels chosen (and built: the C++ one is compiled on
     # first use) by a short prefill and a decode step of the same kind of cache
-    warm = make_cache(model, kv, max_len)
+    warm = make_cache(model, kv, max_len, static=compile)
     rows = batch if compile else 1  # compiled graphs are specialised to the batch
     prefill(model, ids[:rows, :min(context, 128)], warm, prefill_chunk and 64)
     for _ in range(3 if compile else 1):  # compiled: the graphs are built (and recorded) on the first calls
-        step_model(input_ids=ids[:rows, :1], **cache_kwargs(model.base_model, warm), use_cache=True)
-    del warm
-    cache = make_cache(model, kv, max_len)
+        step_model(input_ids=ids[:rows, :1].clone(memory_format=torch.contiguous_format), **cache_kwargs(model.base_model, warm), use_cache=True)
+    if compile:  # the same cache, emptied: a graph is specialised to its tensors (as generate() reuses its cache)
+        warm.reset()
+        cache = warm
+    else:
+        del warm
+        cache = make_cache(model, kv, max_len)
     prefill_s: list[float] = []
     steps: list[float] = []
     cuda = ids.is_cuda
@@ -159,10 +176,10 @@ def _compiled(model: Any, kv: str, cuda: bool) -> Any:
     whose layers say they are compileable; anything else is refused in one line before any work."""
     from .peers import make_cache
 
-    cache = make_cache(model, kv, 2)
+    cache = make_cache(model, kv, 2, static=True)
     layers = getattr(cache, "layers", [])
     if not layers or not all(getattr(layer, "is_compileable", False) for layer in layers):
         raise ValueError(f"--compile: the {kv} cache is not compileable (its layers say is_compileable=False); "
-                         f"compileable here: hf-static")
+                         f"compileable here: hf-static and kvsqueeze specs (as StaticQuantizedCache)")
     return torch.compile(model.base_model, mode="reduce-overhead" if cuda else "default")
 

@@ -1,0 +1,194 @@
+"""One layer of a static-shape quantized cache: a decode step that ``torch.compile`` can capture.
+
+The dynamic layer (:mod:`.layer`) grows blocks, moves a window and branches on token counts in Python; a compiled
+graph would bake those counts in.  Here every tensor is allocated once for ``max_len`` tokens and a one-token step
+changes no Python state, only tensors, in place:
+
+* packed history: token ``t`` at row ``t // tokens_per_row`` of each stored part (no blocks, no table); the first
+  ``nq(n) = G * max(0, (n - W) // G)`` of the ``n`` tokens are stored there (W: the spec's window, G: its
+  ``flush_tokens``), as in the dynamic layer, whose window holds W to W + G - 1 tokens;
+* the rest, full precision, in a ring of ``R = W + 2G`` slots, token ``t`` at slot ``t % R``;
+* ``count`` = n, a 0-dim device tensor.
+
+A decode step writes its token into the ring and counts it (:meth:`write_token`); attention reads the packed
+``[0, nq(n - 1))`` and the ring's ``[nq(n - 1), n)`` (:meth:`plan_from`, from the tensors the compiled graph hands
+over); then :meth:`flush` encodes the group ``[nq(n) - G, nq(n))`` from the ring into its rows.  It does so every
+step, new group or not: encoding the same exact tokens again writes the same codes, so the step never branches on
+a value.  The ring holds the last R tokens, which always include that group (R >= W + 2G - 1).  A prompt (any
+length, eager) attends exactly as the dynamic layer's and is then committed (:meth:`commit`).
+
+Not served here (refused in one line): sinks, sliding-window layers, formats whose encoding depends on the
+position (pre-RoPE keys) or on tensors shared across tokens (fp8 per-head / per-tensor scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import CacheSpec
+from .factory import make_codec
+from .plan import EXACT, STORED, Segment, SegmentPlan
+
+
+def static_refusal(spec: CacheSpec, sliding: bool) -> str | None:
+    """Why a static layer cannot hold this spec, or None."""
+    if sliding:
+        return "sliding-window layers (the static cache serves models whose layers all attend globally)"
+    if spec.sinks:
+        return "attention sinks (use a spec without -s, e.g. kivi-4)"
+    if spec.layer_overrides is not None:
+        return "calibrated per-layer formats"
+    for side in (spec.key, spec.value):
+        if side.extras is not None:
+            return "calibrated extras (permutations, transforms, pre-RoPE keys)"
+        if side.fmt.startswith("fp8") and side.fp8_scale != "token":
+            return "fp8 with per-head or per-tensor scales (fixed by the first tokens)"
+    return None
+
+
+class StaticLayerKV:
+    def __init__(self, spec: CacheSpec, max_len: int):
+        why = static_refusal(spec, False)
+        if why is not None:
+            raise ValueError(f"the static cache does not serve {why}")
+        if max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        self.spec = spec
+        self.G = spec.flush_tokens
+        self.W = spec.window
+        self.R = self.W + 2 * self.G
+        self.max_len = -(-max_len // self.G) * self.G  # whole groups: a flush writes G tokens' rows
+        self.parts: dict[str, torch.Tensor] = {}  # "k.codes", "v.scale", ... [B, H, rows, ...]
+        self.ring_k: torch.Tensor | None = None
+        self.ring_v: torch.Tensor | None = None
+        self.count: torch.Tensor | None = None
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    # ------------------------------------------------------------------ storage
+    def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, h, _, d = k.shape
+        dev = k.device
+        self.codecs = {"k": make_codec(self.spec.key, d, k.dtype), "v": make_codec(self.spec.value, d, v.dtype)}
+        for side, codec in self.codecs.items():
+            for name, lay in codec.layout().items():
+                rows = self.max_len // lay.tokens_per_row
+                self.parts[f"{side}.{name}"] = torch.zeros((b, h, rows, *lay.tail), dtype=lay.dtype, device=dev)
+        # zeros, not empty: a step's flush re-encodes ring slots before they hold tokens (its rows are not read yet)
+        self.ring_k = torch.zeros((b, h, self.R, d), dtype=k.dtype, device=dev)
+        self.ring_v = torch.zeros((b, h, self.R, v.shape[-1]), dtype=v.dtype, device=dev)
+        self.count = torch.zeros((), dtype=torch.int64, device=dev)
+        # the step's groups in ring slots and part rows, relative to a group's first token
+        self._g = torch.arange(self.G, device=dev)
+
+    @property
+    def allocated(self) -> bool:
+        return self.count is not None
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """[B, H, ring slots, D] once allocated (the batch is what reports read)."""
+        return None if self.ring_k is None else tuple(self.ring_k.shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What attention reads, in :meth:`plan_from`'s order: count, ring keys, ring values, the parts by name."""
+        return [self.count, self.ring_k, self.ring_v, *(self.parts[n] for n in sorted(self.parts))]
+
+    def n_stored(self, n: int) -> int:
+        return self.G * max(0, (n - self.W) // self.G)
+
+    def _side_parts(self, parts: dict[str, torch.Tensor], side: str, rows_of) -> dict[str, torch.Tensor]:
+        return {key.split(".", 1)[1]: rows_of(t, self.codecs[side].layout()[key.split(".", 1)[1]].tokens_per_row)
+                for key, t in parts.items() if key.startswith(side + ".")}
+
+    # ------------------------------------------------------------------ a decode step (traced)
+    def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        slot = torch.remainder(self.count, self.R).view(1)
+        self.ring_k.index_copy_(2, slot, k)
+        self.ring_v.index_copy_(2, slot, v)
+        self.count.add_(1)
+
+    def flush(self) -> None:
+        """Encode the group ending at nq(n) from the ring into its rows (every step; see the module docstring)."""
+        nq = torch.clamp(torch.div(self.count - self.W, self.G, rounding_mode="floor"), min=1) * self.G
+        first = torch.clamp(nq - self.G, max=self.max_len - self.G)  # a step past max_len is refused by attention
+        slots = torch.remainder(first + self._g, self.R)
+        self._write(first, self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+
+    def _write(self, first, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode whole groups of tokens starting at ``first`` (a token index, int or 0-dim tensor) into their rows."""
+        t = k.shape[2]
+        for side, x in (("k", k), ("v", v)):
+            for name, part in self.codecs[side].encode(x).items():
+                dst = self.parts[f"{side}.{name}"]
+                tpr = self.codecs[side].layout()[name].tokens_per_row
+                rows = torch.arange(t // tpr, device=dst.device) + torch.div(first, tpr, rounding_mode="floor")
+                dst.index_copy_(2, rows, part.to(dst.dtype))
+
+    # ------------------------------------------------------------------ a prompt (eager)
+    def stage(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n0 = int(self.count)
+        if n0 + k.shape[2] > self.max_len:
+            raise ValueError(f"the static cache holds {self.max_len} tokens; {n0} stored + {k.shape[2]} new do not "
+                             "fit (make it with a larger max_cache_len)")
+        self.pending = (k, v)
+
+    def commit(self) -> None:
+        """Store the staged tokens: the groups that left the window encoded, the ring refilled."""
+        k, v = self.pending
+        self.pending = None
+        n0 = int(self.count)
+        n1 = n0 + k.shape[2]
+        a, b = self.n_stored(n0), self.n_stored(n1)
+        wk, wv = self._window(self.ring_k, self.ring_v, a, n0)
+        ek, ev = torch.cat([wk, k], 2), torch.cat([wv, v], 2)  # exact tokens [a, n1)
+        if b > a:
+            self._write(a, ek[:, :, : b - a], ev[:, :, : b - a])
+        keep = max(a, n1 - self.R)
+        slots = torch.remainder(torch.arange(keep, n1, device=k.device), self.R)
+        self.ring_k.index_copy_(2, slots, ek[:, :, keep - a:])
+        self.ring_v.index_copy_(2, slots, ev[:, :, keep - a:])
+        self.count.fill_(n1)
+
+    # ------------------------------------------------------------------ what attention reads
+    def _window(self, ring_k, ring_v, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.remainder(torch.arange(a, b, device=ring_k.device), self.R)
+        return ring_k.index_select(2, slots), ring_v.index_select(2, slots)
+
+    def plan_from(self, tensors: list[torch.Tensor], query_length: int) -> SegmentPlan:
+        """The plan of a step whose ``query_length`` tokens are the last ones counted (a decode step: written to the
+        ring already) or staged (a prompt), from :meth:`tensors` as the step hands them over."""
+        count, ring_k, ring_v, *rest = tensors
+        parts = dict(zip(sorted(self.parts), rest))
+        staged = self.pending is not None
+        n = int(count) + (query_length if staged else 0)
+        if n > self.max_len:
+            raise RuntimeError(f"the static cache holds {self.max_len} tokens; this step needs {n} (make it with a "
+                               "larger max_cache_len)")
+        n0 = n - query_length
+        nq = self.n_stored(n0)
+        stored: tuple[Segment, ...] = ()
+        if nq:
+            def rows(t, tpr):
+                return t[:, :, : nq // tpr]
+            kp, vp = self._side_parts(parts, "k", rows), self._side_parts(parts, "v", rows)
+            stored = (Segment(STORED, 0, nq, k_parts=kp, v_parts=vp,
+                              decode=lambda: (self.codecs["k"].decode(kp), self.codecs["v"].decode(vp))),)
+        # the step's tokens are staged (a prompt) or the last ones in the ring (a decode step)
+        nk, nv = self.pending if staged else self._window(ring_k, ring_v, n0, n)
+        after = []
+        if n0 > nq:
+            wk, wv = self._window(ring_k, ring_v, nq, n0)
+            after.append(Segment(EXACT, nq, n0 - nq, k=wk, v=wv))
+        after.append(Segment(EXACT, n0, query_length, is_new=True, k=nk, v=nv))
+        return SegmentPlan((), stored, tuple(after), self.codecs["k"].fmt, self.codecs["v"].fmt, 0, n0,
+                           self.G)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes allocated: the packed parts (all max_len rows) and the ring."""
+        out = {"codes": 0, "params": 0, "fp": 0}
+        for key, t in self.parts.items():
+            side, name = key.split(".", 1)
+            out[self.codecs[side].layout()[name].kind] += t.numel() * t.element_size()
+        if self.ring_k is not None:
+            out["fp"] += 2 * self.ring_k.numel() * self.ring_k.element_size()
+        return out
