@@ -32,9 +32,10 @@ def register_layer(layer) -> int:
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
+# (Optional[...]: the form torch.library reads the operator's schema from)
 @torch.library.custom_op("kvsqueeze::static_attend", mutates_args=(), tags=_TAGS)
-def static_attend(query: torch.Tensor, mask: Optional[torch.Tensor], tensors: list[torch.Tensor], layer: int,
-                  scaling: float) -> torch.Tensor:
+def static_attend(query: torch.Tensor, mask: Optional[torch.Tensor], tensors: list[torch.Tensor],  # noqa: UP045
+                  layer: int, scaling: float) -> torch.Tensor:
     lay = _LAYERS.get(layer)
     if lay is None:
         raise RuntimeError(f"static cache layer {layer} no longer exists (its cache was freed)")
