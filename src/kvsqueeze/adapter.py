@@ -198,7 +198,7 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
 def _static_attention(layer: StaticLayerKV, query, mask, scaling):
     """A static layer's step: a prompt (staged, eager) is attended and committed as in the dynamic cache; a decode
     step (written to the ring by ``update``) goes through the opaque operator, then the layer's flush (traced)."""
-    from .kernels.static_op import static_attend
+    from .kernels.static_op import static_attend, static_attend_graphed
 
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if layer.pending is not None:
@@ -209,7 +209,8 @@ def _static_attention(layer: StaticLayerKV, query, mask, scaling):
             raise
         layer.commit()
     else:
-        out = static_attend(query, mask, layer.tensors(), layer.op_id, float(scaling))
+        op = static_attend_graphed if layer.graphed else static_attend
+        out = op(query, mask, layer.tensors(), layer.op_id, float(scaling))
         layer.flush()
     return out.transpose(1, 2).contiguous(), None
 
@@ -660,7 +661,22 @@ class _StaticHFLayer(CacheLayerMixin):
             _count_path(kv, _kernel_path(attend, query, plan))
             return attend(query, plan, mask, scaling)
 
-        kv.attend = counted
+        def planned(query, mask, tensors, scaling):
+            return counted(query, kv.plan_from(tensors, query.shape[2]), mask, scaling)
+
+        kv.attend, kv.step_attention, kv.graphed = counted, planned, False
+        fmts = (kv.codecs["k"].fmt, kv.codecs["v"].fmt)
+        if (self.backend == "triton" or self.backend == "auto" and key_states.is_cuda) and _kernel("triton"):
+            from .kernels import triton_static
+
+            if triton_static.supports(*fmts, key_states.shape[-1]):
+                def graphed(query, mask, tensors, scaling):  # counts read on the device: CUDA graphs record it
+                    count, rk, rv, kp, vp = kv.split(tensors)
+                    _count_path(kv, "triton-static")  # (a replayed graph does not count again)
+                    return triton_static.attend(query, mask, scaling, count, rk, rv, kp, vp, *fmts, kv.W, kv.G,
+                                                kv.max_len)
+
+                kv.step_attention, kv.graphed = graphed, True
         kv.op_id = register_layer(kv)
         for t in (kv.ring_k, kv.ring_v):
             setattr(t, _TAG, kv)

@@ -154,6 +154,14 @@ class StaticLayerKV:
         slots = torch.remainder(torch.arange(a, b, device=ring_k.device), self.R)
         return ring_k.index_select(2, slots), ring_v.index_select(2, slots)
 
+    def split(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, dict]:
+        """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, key parts, value parts (all
+        rows) by part name."""
+        count, ring_k, ring_v, *rest = tensors
+        parts = dict(zip(sorted(self.parts), rest))
+        whole = lambda t, tpr: t  # noqa: E731
+        return count, ring_k, ring_v, self._side_parts(parts, "k", whole), self._side_parts(parts, "v", whole)
+
     def plan_from(self, tensors: list[torch.Tensor], query_length: int) -> SegmentPlan:
         """The plan of a step whose ``query_length`` tokens are the last ones counted (a decode step: written to the
         ring already) or staged (a prompt), from :meth:`tensors` as the step hands them over."""

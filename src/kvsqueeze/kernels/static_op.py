@@ -2,12 +2,14 @@
 
 ``torch.compile`` traces a static layer's writes (in-place tensor ops) into the graph, but not the attention: the
 kernels read Python plans.  The operator takes the layer's tensors as arguments (so the graph orders it after the
-step's writes and before the flush that follows) and, when it runs, builds the layer's plan from them and calls the
-layer's kernel (C++ on a CPU, Triton on a GPU, the reference otherwise).  Layers are found by a number, in a
-registry that does not keep them alive.
+step's writes and before the flush that follows) and, when it runs, calls the layer's ``step_attention``.  Layers
+are found by a number, in a registry that does not keep them alive.  Two operators, the same work:
 
-On a GPU the operator reads the token count on the host, so it is tagged ``cudagraph_unsafe``: a graph recorded
-around it would replay the count of its recording.  CUDA graphs then cover the rest of the step (docs/gpu.md).
+* ``static_attend``: the layer's plan built from the tensors and its kernel (C++ on a CPU, the reference
+  otherwise); it reads the token count on the host, so it is tagged ``cudagraph_unsafe`` (a graph recorded around
+  it would replay the count of its recording);
+* ``static_attend_graphed``: the Triton kernels of :mod:`triton_static`, which read the counts on the device, so a
+  CUDA graph may record the whole decode step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ _IDS = itertools.count(1)
 
 
 def register_layer(layer) -> int:
-    """A number for ``layer`` (anything with ``plan_from(tensors, query_length)`` and an ``attend`` function)."""
+    """A number for ``layer`` (anything with ``step_attention(query, mask, tensors, scaling)``)."""
     key = next(_IDS)
     _LAYERS[key] = layer
     return key
@@ -32,17 +34,31 @@ def register_layer(layer) -> int:
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-# (Optional[...]: the form torch.library reads the operator's schema from)
-@torch.library.custom_op("kvsqueeze::static_attend", mutates_args=(), tags=_TAGS)
-def static_attend(query: torch.Tensor, mask: Optional[torch.Tensor], tensors: list[torch.Tensor],  # noqa: UP045
-                  layer: int, scaling: float) -> torch.Tensor:
+def _run(query, mask, tensors, layer, scaling):
     lay = _LAYERS.get(layer)
     if lay is None:
         raise RuntimeError(f"static cache layer {layer} no longer exists (its cache was freed)")
-    plan = lay.plan_from(tensors, query.shape[2])
-    return lay.attend(query, plan, mask, scaling).contiguous()
+    return lay.step_attention(query, mask, tensors, scaling).contiguous()
 
 
-@static_attend.register_fake
-def _(query, mask, tensors, layer, scaling):
+# (Optional[...]: the form torch.library reads an operator's schema from)
+@torch.library.custom_op("kvsqueeze::static_attend", mutates_args=(), tags=_TAGS)
+def static_attend(query: torch.Tensor, mask: Optional[torch.Tensor], tensors: list[torch.Tensor],  # noqa: UP045
+                  layer: int, scaling: float) -> torch.Tensor:
+    """Reads the token count on the host (builds the layer's plan): no CUDA graph may record it."""
+    return _run(query, mask, tensors, layer, scaling)
+
+
+@torch.library.custom_op("kvsqueeze::static_attend_graphed", mutates_args=())
+def static_attend_graphed(query: torch.Tensor, mask: Optional[torch.Tensor],  # noqa: UP045
+                          tensors: list[torch.Tensor], layer: int, scaling: float) -> torch.Tensor:
+    """Reads nothing on the host (kernels/triton_static.py): a CUDA graph replays it with the step's counts."""
+    return _run(query, mask, tensors, layer, scaling)
+
+
+def _fake(query, mask, tensors, layer, scaling):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+static_attend.register_fake(_fake)
+static_attend_graphed.register_fake(_fake)

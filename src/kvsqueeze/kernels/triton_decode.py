@@ -76,10 +76,10 @@ if HAS_TRITON:
         kx_ss, kx_sb, kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr,
         vx_ss, vx_sb, vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr,
         m_sb, m_sq, m_sc,
-        first, n_tok, col0, part0, n_parts, scaling,
+        first, n_tok, col0, part0, n_parts, scaling, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
         CH, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
-        W: tl.constexpr,
+        W: tl.constexpr, NDEV: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
@@ -87,7 +87,10 @@ if HAS_TRITON:
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
         stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
-        split can follow the context without a new compilation."""
+        split can follow the context without a new compilation.  NDEV: n_tok is read from cnt_ptr[0] on the device
+        (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it)."""
+        if NDEV:
+            n_tok = tl.load(cnt_ptr)
         bh = tl.program_id(0)
         chunk = tl.program_id(1)
         b = bh // HKV
@@ -118,16 +121,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
-                      mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr):
-        """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given)."""
+                      mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr, RING: tl.constexpr):
+        """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given); RING > 0: the
+        tokens are positions col0 .. col0 + n - 1 of a ring of RING slots, position p at slot p % RING."""
         for t0 in range(0, n, BT):
             t = t0 + tl.arange(0, BT)
             t_ok = t < n
-            k = tl.load(k_ptr + b * ksb + h * ksh + t[:, None] * kst + ch[None, :], mask=t_ok[:, None],
+            if RING:
+                row = (col0 + t) % RING
+            else:
+                row = t
+            k = tl.load(k_ptr + b * ksb + h * ksh + row[:, None] * kst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
-            v = tl.load(v_ptr + b * vsb + h * vsh + t[:, None] * vst + ch[None, :], mask=t_ok[:, None],
+            v = tl.load(v_ptr + b * vsb + h * vsh + row[:, None] * vst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
             m, l_, acc = _online(m, l_, acc, s, v)
         return m, l_, acc
@@ -137,13 +145,20 @@ if HAS_TRITON:
         q_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, mask_ptr,
         sk_ptr, sv_ptr, wk_ptr, wv_ptr, nk_ptr, nv_ptr,
         sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t,
-        n_s, n_w, n_n, col_s, col_w, col_n, n_parts, scaling, m_sb, m_sq, m_sc,
+        n_s, n_w, n_n, col_s, col_w, col_n, n_parts, scaling, m_sb, m_sq, m_sc, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
-        BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr,
+        BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr, RING: tl.constexpr,
     ):
         """One (sequence, kv head): the stored tokens' partials merged exactly (log-sum-exp), the full-precision
         segments (sinks, window, the step's new tokens: n_s, n_w, n_n tokens, any of them 0) attended here, and the
-        output written in its dtype; rows whose every score was masked give 0."""
+        output written in its dtype; rows whose every score was masked give 0.  RING > 0 (a static cache's step):
+        window and new tokens lie in one ring of RING slots, their counts and first positions read from
+        cnt_ptr[1:5] on the device (n_w, col_w, n_n, col_n)."""
+        if RING:
+            n_w = tl.load(cnt_ptr + 1)
+            col_w = tl.load(cnt_ptr + 2)
+            n_n = tl.load(cnt_ptr + 3)
+            col_n = tl.load(cnt_ptr + 4)
         bh = tl.program_id(0)
         b = bh // HKV
         h = bh % HKV
@@ -169,11 +184,11 @@ if HAS_TRITON:
         q = q.to(tl.float32) * scaling
         lq = rows % LQ
         m, l_, acc = _exact_tokens(q, m, l_, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, n_s, col_s,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0)
         m, l_, acc = _exact_tokens(q, m, l_, acc, wk_ptr, wv_ptr, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, n_w, col_w,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, RING)
         m, l_, acc = _exact_tokens(q, m, l_, acc, nk_ptr, nv_ptr, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t, n_n, col_n,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT, RING)
         out = acc / tl.maximum(l_, 1e-30)[:, None]
         tl.store(out_ptr + (bh * R + rows)[:, None] * D + ch[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None])
@@ -263,9 +278,9 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
         _partials_kernel[(b * hkv, nsp)](
             q_rot, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf, *kt, *vt,
             k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
-            w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling),
+            w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
-            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d),
+            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False,
             **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr,
         )
         part0 += nsp
@@ -286,6 +301,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     new_mask = (3 if lq > 1 else 0) if mask is None else mkind  # new tokens: causal among themselves
     _finish_kernel[(b * hkv,)](
         q, m_buf, l_buf, acc_buf, out, mask_t, *args, *strides, *(n for n, _ in counts), *(c for _, c in counts),
-        total, float(scaling), *mst, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
+        total, float(scaling), *mst, m_buf, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
+        RING=0,
     )
     return out
