@@ -25,7 +25,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 echo "== Triton kernel tests on the device"
 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_pool.py \
   tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
-  tests/kernels/test_triton_pack.py "tests/kernels/test_conformance.py" -k "not cpu-" \
+  tests/kernels/test_triton_pack.py tests/kernels/test_triton_static.py "tests/kernels/test_conformance.py" \
+  -k "not cpu-" \
   2>&1 | tail -n 15 | tee "$OUT/tests.txt"
 
 echo "== attention, one layer per step"
@@ -41,11 +42,12 @@ for kv in $E2E_CACHES; do
     | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|error"
 done
 
-echo "== batch 1, context $E2E_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 (not compileable yet)"
-for kv in "hf-static --compile" kivi-4; do
-  name=${kv%% *}
+echo "== batch 1, context $E2E_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 compiled as"
+echo "   StaticQuantizedCache (CUDA graphs over static_attend_graphed) and kivi-4 eager"
+for kv in "hf-static --compile" "kivi-4 --compile" kivi-4; do
+  name=${kv// /}
   # shellcheck disable=SC2086
-  timeout 150 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv $kv \
+  timeout 240 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv $kv \
     --context "$E2E_CONTEXT" --batch 1 --decode-tokens 32 --json "$OUT/speed_b1_$name.json" 2>&1 \
     | tee "$OUT/speed_b1_$name.txt" | grep -E "decode|attention path|error"
 done
@@ -54,4 +56,4 @@ echo "== summary"
 tail -n 3 "$OUT/tests.txt"
 grep -E "^\| 32/" "$OUT/attention.md" | grep -E "SDPA|kivi-4" | head -n 12
 for kv in $E2E_CACHES; do echo "$kv: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_$kv.txt")"; done
-for name in hf-static kivi-4; do echo "batch 1 $name: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_b1_$name.txt")"; done
+for name in hf-static--compile kivi-4--compile kivi-4; do echo "batch 1 $name: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_b1_$name.txt")"; done

@@ -63,3 +63,16 @@ def test_readme_example_runs_without_warnings():
     assert n == q + w and q > 0, last
     assert float(m[4]) > 0 and float(m[5]) > 0, last
     assert 2 < float(m[6]) <= 3, last  # 2-bit codes plus an fp16 scale and zero per 32 elements
+
+
+@requires_embedded
+def test_readme_static_cache_example_runs():
+    """The second example (StaticQuantizedCache) runs after the first, in its namespace, and stores its tokens."""
+    first, second = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)[:2]
+    ns: dict = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(first, "README.md", "exec"), ns)
+        exec(compile(second, "README.md", "exec"), ns)
+    prompt = ns["inputs"]["input_ids"].shape[1]
+    assert ns["out"].shape[1] <= prompt + 256
+    assert int(ns["cache"].get_seq_length()) == ns["out"].shape[1] - 1  # the last token is never fed back

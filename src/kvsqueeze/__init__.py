@@ -20,6 +20,7 @@ from .spec import PRESETS, CacheSpec, QuantSpec, preset
 
 _LAZY = {
     "QuantizedCache": ("kvsqueeze.adapter", "QuantizedCache"),
+    "StaticQuantizedCache": ("kvsqueeze.adapter", "StaticQuantizedCache"),
     "KVBytes": ("kvsqueeze.adapter", "KVBytes"),
     "patch": ("kvsqueeze.adapter", "patch"),
     "cache_kwargs": ("kvsqueeze.adapter", "cache_kwargs"),

@@ -707,9 +707,7 @@ class _StaticHFLayer(CacheLayerMixin):
         return self.kv.max_len
 
     def reset(self) -> None:
-        if self.is_initialized:
-            self.kv.count.zero_()
-            self.kv.pending = None
+        self.kv.reset()
 
 
 class StaticQuantizedCache(Cache):

@@ -103,3 +103,15 @@ def test_bytes_are_the_allocation(tiny_llama):
     assert nb.params == 2 * 2 * (512 // 32 * 64 * 4 + 512 * 2 * 4)
     assert nb.full_precision == 2 * 2 * 2 * 192 * 64 * 4
     assert nb.elements == 2 * 2 * 2 * 64 * 300 and nb.quantized_elements == 2 * 2 * 2 * 64 * 160
+
+
+def test_a_reset_cache_serves_a_new_prompt_as_a_fresh_one(tiny_llama):
+    """reset() keeps the tensors (a compiled graph's) and forgets everything derived from their old contents."""
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randint(0, 256, (1, 170), generator=g), torch.randint(0, 256, (1, 170), generator=g)
+    fresh = _run(tiny_llama, StaticQuantizedCache(tiny_llama.config, "kivi-4", 256), b, 30)
+    cache = StaticQuantizedCache(tiny_llama.config, "kivi-4", 256)
+    _run(tiny_llama, cache, a, 30)
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    assert torch.equal(_run(tiny_llama, cache, b, 30), fresh)

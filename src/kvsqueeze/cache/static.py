@@ -27,7 +27,7 @@ import torch
 
 from ..spec import CacheSpec
 from .factory import make_codec
-from .plan import EXACT, STORED, Segment, SegmentPlan
+from .plan import EXACT, STORED, Memo, Segment, SegmentPlan
 
 
 def static_refusal(spec: CacheSpec, sliding: bool) -> str | None:
@@ -63,6 +63,8 @@ class StaticLayerKV:
         self.ring_v: torch.Tensor | None = None
         self.count: torch.Tensor | None = None
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._stored: tuple | None = None  # (key, stored segments, memo): see _stored_segments
+        self._shared: tuple[dict, dict] = ({}, {})  # no shared tensors; the same dicts every step (kernels' memo key)
 
     # ------------------------------------------------------------------ storage
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -99,6 +101,12 @@ class StaticLayerKV:
     def _side_parts(self, parts: dict[str, torch.Tensor], side: str, rows_of) -> dict[str, torch.Tensor]:
         return {key.split(".", 1)[1]: rows_of(t, self.codecs[side].layout()[key.split(".", 1)[1]].tokens_per_row)
                 for key, t in parts.items() if key.startswith(side + ".")}
+
+    def reset(self) -> None:
+        """Empty, keeping every tensor (a compiled graph is specialised to them)."""
+        if self.allocated:
+            self.count.zero_()
+        self.pending, self._stored = None, None
 
     # ------------------------------------------------------------------ a decode step (traced)
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -162,11 +170,35 @@ class StaticLayerKV:
         whole = lambda t, tpr: t  # noqa: E731
         return count, ring_k, ring_v, self._side_parts(parts, "k", whole), self._side_parts(parts, "v", whole)
 
+    def _ring(self, ring_k, ring_v, a: int, b: int, is_new: bool = False) -> list[Segment]:
+        """Positions [a, b) of the ring as views (one, or two where they wrap), not copies."""
+        out = []
+        while a < b:
+            s = a % self.R
+            e = min(s + b - a, self.R)
+            out.append(Segment(EXACT, a, e - s, is_new=is_new, k=ring_k[:, :, s:e], v=ring_v[:, :, s:e]))
+            a += e - s
+        return out
+
+    def _stored_segments(self, parts: dict[str, torch.Tensor], nq: int) -> tuple[tuple[Segment, ...], Memo]:
+        """The packed rows [0, nq) as one stored segment, and the memo kernels keep what they derive from it in: both
+        kept while nq and the tensors stay (a flush changes nq once per group of tokens)."""
+        key = (nq, tuple(t.data_ptr() for t in parts.values()))
+        if self._stored is None or self._stored[0] != key:
+            stored: tuple[Segment, ...] = ()
+            if nq:
+                def rows(t, tpr):
+                    return t[:, :, : nq // tpr]
+                kp, vp = self._side_parts(parts, "k", rows), self._side_parts(parts, "v", rows)
+                stored = (Segment(STORED, 0, nq, k_parts=kp, v_parts=vp,
+                                  decode=lambda: (self.codecs["k"].decode(kp), self.codecs["v"].decode(vp))),)
+            self._stored = (key, stored, Memo())
+        return self._stored[1], self._stored[2]
+
     def plan_from(self, tensors: list[torch.Tensor], query_length: int) -> SegmentPlan:
         """The plan of a step whose ``query_length`` tokens are the last ones counted (a decode step: written to the
         ring already) or staged (a prompt), from :meth:`tensors` as the step hands them over."""
         count, ring_k, ring_v, *rest = tensors
-        parts = dict(zip(sorted(self.parts), rest))
         staged = self.pending is not None
         n = int(count) + (query_length if staged else 0)
         if n > self.max_len:
@@ -174,22 +206,14 @@ class StaticLayerKV:
                                "larger max_cache_len)")
         n0 = n - query_length
         nq = self.n_stored(n0)
-        stored: tuple[Segment, ...] = ()
-        if nq:
-            def rows(t, tpr):
-                return t[:, :, : nq // tpr]
-            kp, vp = self._side_parts(parts, "k", rows), self._side_parts(parts, "v", rows)
-            stored = (Segment(STORED, 0, nq, k_parts=kp, v_parts=vp,
-                              decode=lambda: (self.codecs["k"].decode(kp), self.codecs["v"].decode(vp))),)
-        # the step's tokens are staged (a prompt) or the last ones in the ring (a decode step)
-        nk, nv = self.pending if staged else self._window(ring_k, ring_v, n0, n)
-        after = []
-        if n0 > nq:
-            wk, wv = self._window(ring_k, ring_v, nq, n0)
-            after.append(Segment(EXACT, nq, n0 - nq, k=wk, v=wv))
-        after.append(Segment(EXACT, n0, query_length, is_new=True, k=nk, v=nv))
-        return SegmentPlan((), stored, tuple(after), self.codecs["k"].fmt, self.codecs["v"].fmt, 0, n0,
-                           self.G)
+        stored, memo = self._stored_segments(dict(zip(sorted(self.parts), rest)), nq)
+        after = self._ring(ring_k, ring_v, nq, n0)
+        if staged:  # a prompt's tokens, exact; a decode step's token is the last one in the ring
+            after.append(Segment(EXACT, n0, query_length, is_new=True, k=self.pending[0], v=self.pending[1]))
+        else:
+            after += self._ring(ring_k, ring_v, n0, n, is_new=True)
+        return SegmentPlan((), stored, tuple(after), self.codecs["k"].fmt, self.codecs["v"].fmt, 0, n0, self.G,
+                           self._shared[0], self._shared[1], memo)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes allocated: the packed parts (all max_len rows) and the ring."""

@@ -1,0 +1,132 @@
+"""Compile every Triton kernel for a GPU target on a machine without a GPU, and say which compile.
+
+Triton's interpreter (how the kernels are tested without a GPU) runs the kernels' Python, not the compiler: a
+kernel can pass every interpreted test and still fail to compile (types, layouts, constexpr use).  This drives the
+same Python entry points as the tests (decode, prefill, the static cache's decode, quantize-and-pack) with every
+launch replaced by a compilation for ``--arch`` (PTX and cubin through the ptxas Triton ships), nothing launched.
+
+    python benchmarks/triton_compile_check.py            # every format x dtype x step kind, sm_90
+    python benchmarks/triton_compile_check.py --quick    # one format per kernel (the test suite's run)
+
+Exit status 1 when any compilation failed (the first error of each kernel is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: the point is the compiler, not the interpreter")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+          torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+
+
+class Compiler:
+    """Stands in for JITFunction.run: binds a launch's arguments to the kernel's parameters, compiles."""
+
+    def __init__(self, target: GPUTarget):
+        self.target = target
+        self.results: list[tuple[str, str | None]] = []  # (kernel, None or the error)
+
+    def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        values = dict(zip(fn.arg_names, args)) | kwargs
+        signature, constants = {}, {}
+        for p in fn.params:
+            v = values.get(p.name, p.default)
+            if p.is_constexpr or v is None:
+                signature[p.name], constants[p.name] = "constexpr", v
+            elif isinstance(v, torch.Tensor):
+                signature[p.name] = "*" + _TYPES[v.dtype]
+            elif isinstance(v, bool):
+                signature[p.name] = "i1"
+            elif isinstance(v, int):
+                signature[p.name] = "i64" if abs(v) >= 2**31 else "i32"
+            elif isinstance(v, float):
+                signature[p.name] = "fp32"
+            else:
+                raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        try:
+            triton.compile(ASTSource(fn, signature, constants), target=self.target, options=options)
+            self.results.append((fn.__name__, None))
+        except Exception as exc:  # noqa: BLE001  (every failure is reported, none stops the sweep)
+            self.results.append((fn.__name__, f"{type(exc).__name__}: {exc}"))
+
+
+def drive(quick: bool) -> None:
+    """Call the kernels' Python entry points over a sweep of formats (every launch compiles instead)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from kernels._helpers import filled_layer, query_for
+    from kvsqueeze.cache.factory import make_codec
+    from kvsqueeze.cache.static import StaticLayerKV
+    from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_static
+    from kvsqueeze.spec import preset
+
+    for mod in (triton_common, triton_decode, triton_pack):  # "a GPU is here": the kernels' routes, not the reference
+        mod.available = lambda: True
+    specs = ["kivi-4"] if quick else ["kivi-4", "kivi-2", "int8", "fp8-e4m3", "rot-3", "k4t64-v4t32-w32",
+                                      "kivi-2-sink4"]
+    dtypes = [torch.bfloat16] if quick else [torch.float32, torch.bfloat16]
+    for spec in specs:
+        sp = dataclasses.replace(preset(spec), block_tokens=128)
+        for dtype in dtypes:
+            for pooled in (True,) if quick else (True, False):
+                for new in (1, 40):  # decode; prefill on top of the cache (query tiles)
+                    layer = filled_layer(sp, batch=2, kv_heads=2, head_dim=64, stored=300, pooled=pooled,
+                                         dtype=dtype, new=new)
+                    triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
+            for side in (sp.key, sp.value):
+                triton_pack.encode(make_codec(side, 64, dtype).fmt, torch.randn(2, 2, 128, 64).to(dtype))
+    for spec in ["k4c16-v4t16-w16"] if quick else ["k4c16-v4t16-w16", "k2c16-v2t32-w32", "fp8-e4m3", "k8t32-v8t32"]:
+        lay = StaticLayerKV(preset(spec), 112)
+        k = torch.randn(2, 2, 37, 64, dtype=torch.bfloat16)
+        lay.allocate(k, k)
+        lay.stage(k, k)
+        lay.commit()
+        lay.write_token(k[:, :, :1], k[:, :, :1])
+        count, rk, rv, kp, vp = lay.split(lay.tensors())
+        triton_static.attend(torch.randn(2, 4, 1, 64, dtype=torch.bfloat16), None, 0.125, count, rk, rv, kp, vp,
+                             lay.codecs["k"].fmt, lay.codecs["v"].fmt, lay.W, lay.G, lay.max_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
+    p.add_argument("--quick", action="store_true", help="one format per kernel")
+    args = p.parse_args(argv)
+    compiler = Compiler(GPUTarget("cuda", args.arch, 32))
+    original = JITFunction.run
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
+    try:
+        drive(args.quick)
+    finally:
+        JITFunction.run = original
+    counts = Counter((name, err is None) for name, err in compiler.results)
+    print(f"triton {triton.__version__}, target sm_{args.arch}:")
+    for name in sorted({n for n, _ in counts}):
+        print(f"  {name}: {counts[(name, True)]} compiled, {counts[(name, False)]} failed")
+    first = {}
+    for name, err in compiler.results:
+        if err is not None:
+            first.setdefault(name, err)
+    for name, err in first.items():
+        print(f"\n{name}: {err[:3000]}")
+    return 1 if first else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
