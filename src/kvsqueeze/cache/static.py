@@ -116,7 +116,12 @@ class StaticLayerKV:
         self.count.add_(1)
 
     def flush(self) -> None:
-        """Encode the group ending at nq(n) from the ring into its rows (every step; see the module docstring)."""
+        """Encode the group ending at nq(n) from the ring into its rows (every step; see the module docstring).
+        Run eagerly on a CPU, where reading the count costs nothing, only the steps that complete a group do it."""
+        if self.count.device.type == "cpu" and not torch.compiler.is_compiling():
+            n = int(self.count)
+            if n < self.W + self.G or (n - self.W) % self.G:
+                return
         nq = torch.clamp(torch.div(self.count - self.W, self.G, rounding_mode="floor"), min=1) * self.G
         first = torch.clamp(nq - self.G, max=self.max_len - self.G)  # a step past max_len is refused by attention
         slots = torch.remainder(first + self._g, self.R)
