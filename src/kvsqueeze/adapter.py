@@ -207,12 +207,24 @@ def _static_attention(layer: StaticLayerKV, query, mask, scaling):
         except BaseException:
             layer.pending = None
             raise
+        layer.padded = layer.padded or _hides_a_position(mask, int(layer.count) + query.shape[2])
         layer.commit()
     else:
+        # a decode step sees every position its plan holds unless the prompt had padding: the mask a compiled step
+        # always builds (it cannot test it) is then not read at all
         op = static_attend_graphed if layer.graphed else static_attend
-        out = op(query, mask, layer.tensors(), layer.op_id, float(scaling))
+        out = op(query, mask if layer.padded else None, layer.tensors(), layer.op_id, float(scaling))
         layer.flush()
     return out.transpose(1, 2).contiguous(), None
+
+
+def _hides_a_position(mask, n: int) -> bool:
+    """Whether a prompt's mask hides any of the first n positions from its last query (padding; causal masking
+    hides nothing from the last one)."""
+    if mask is None:
+        return False
+    last = mask[:, :, -1, :n]
+    return not bool(last.all() if last.dtype == torch.bool else (last == 0).all())
 
 
 def _kernel_path(attend: Callable, query, plan) -> str:

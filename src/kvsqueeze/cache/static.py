@@ -65,6 +65,7 @@ class StaticLayerKV:
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self._stored: tuple | None = None  # (key, stored segments, memo): see _stored_segments
         self._shared: tuple[dict, dict] = ({}, {})  # no shared tensors; the same dicts every step (kernels' memo key)
+        self.padded = False  # a prompt hid some of its positions (padding): decode steps must read the mask
 
     # ------------------------------------------------------------------ storage
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -106,7 +107,7 @@ class StaticLayerKV:
         """Empty, keeping every tensor (a compiled graph is specialised to them)."""
         if self.allocated:
             self.count.zero_()
-        self.pending, self._stored = None, None
+        self.pending, self._stored, self.padded = None, None, False
 
     # ------------------------------------------------------------------ a decode step (traced)
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
