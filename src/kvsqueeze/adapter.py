@@ -197,7 +197,7 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
 
 def _static_attention(layer: StaticLayerKV, query, mask, scaling):
     """A static layer's step: a prompt (staged, eager) is attended and committed as in the dynamic cache; a decode
-    step (written to the ring by ``update``) goes through the opaque operator, then the layer's flush (traced)."""
+    step (written to the ring by ``update``) goes through the opaque operator, which also flushes."""
     from .kernels.static_op import static_attend, static_attend_graphed
 
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -213,8 +213,8 @@ def _static_attention(layer: StaticLayerKV, query, mask, scaling):
         # a decode step sees every position its plan holds unless the prompt had padding: the mask a compiled step
         # always builds (it cannot test it) is then not read at all
         op = static_attend_graphed if layer.graphed else static_attend
-        out = op(query, mask if layer.padded else None, layer.tensors(), layer.op_id, float(scaling))
-        layer.flush()
+        state = layer.tensors()
+        out = op(query, mask if layer.padded else None, state[:3], state[3:], layer.op_id, float(scaling))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -12,7 +12,8 @@ changes no Python state, only tensors, in place:
 
 A decode step writes its token into the ring and counts it (:meth:`write_token`); attention reads the packed
 ``[0, nq(n - 1))`` and the ring's ``[nq(n - 1), n)`` (:meth:`plan_from`, from the tensors the compiled graph hands
-over); then :meth:`flush` encodes the group ``[nq(n) - G, nq(n))`` from the ring into its rows.  It does so every
+over); then :meth:`flush` (run by the attention operator, kernels/static_op.py) encodes the group
+``[nq(n) - G, nq(n))`` from the ring into its rows.  It does so every
 step, new group or not: encoding the same exact tokens again writes the same codes, so the step never branches on
 a value.  The ring holds the last R tokens, which always include that group (R >= W + 2G - 1).  A prompt (any
 length, eager) attends exactly as the dynamic layer's and is then committed (:meth:`commit`).
@@ -116,24 +117,27 @@ class StaticLayerKV:
         self.ring_v.index_copy_(2, slot, v)
         self.count.add_(1)
 
-    def flush(self) -> None:
-        """Encode the group ending at nq(n) from the ring into its rows (every step; see the module docstring).
-        Run eagerly on a CPU, where reading the count costs nothing, only the steps that complete a group do it."""
-        if self.count.device.type == "cpu" and not torch.compiler.is_compiling():
-            n = int(self.count)
+    def flush(self, tensors: list[torch.Tensor] | None = None) -> None:
+        """Encode the group ending at nq(n) from the ring into its rows (every step; see the module docstring), in
+        ``tensors`` (:meth:`tensors`' order; the attention operator hands over what the graph passed it).  Run
+        eagerly on a CPU, where reading the count costs nothing, only the steps that complete a group do it."""
+        count, ring_k, ring_v, k_parts, v_parts = self.split(tensors or self.tensors())
+        if count.device.type == "cpu" and not torch.compiler.is_compiling():
+            n = int(count)
             if n < self.W + self.G or (n - self.W) % self.G:
                 return
-        nq = torch.clamp(torch.div(self.count - self.W, self.G, rounding_mode="floor"), min=1) * self.G
+        nq = torch.clamp(torch.div(count - self.W, self.G, rounding_mode="floor"), min=1) * self.G
         first = torch.clamp(nq - self.G, max=self.max_len - self.G)  # a step past max_len is refused by attention
         slots = torch.remainder(first + self._g, self.R)
-        self._write(first, self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots))
+        self._write(first, ring_k.index_select(2, slots), ring_v.index_select(2, slots), {"k": k_parts, "v": v_parts})
 
-    def _write(self, first, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Encode whole groups of tokens starting at ``first`` (a token index, int or 0-dim tensor) into their rows."""
+    def _write(self, first, k: torch.Tensor, v: torch.Tensor, into: dict | None = None) -> None:
+        """Encode whole groups of tokens starting at ``first`` (a token index, int or 0-dim tensor) into their rows
+        of ``into`` (side -> part name -> tensor; the layer's own parts by default)."""
         t = k.shape[2]
         for side, x in (("k", k), ("v", v)):
             for name, part in self.codecs[side].encode(x).items():
-                dst = self.parts[f"{side}.{name}"]
+                dst = into[side][name] if into is not None else self.parts[f"{side}.{name}"]
                 tpr = self.codecs[side].layout()[name].tokens_per_row
                 rows = torch.arange(t // tpr, device=dst.device) + torch.div(first, tpr, rounding_mode="floor")
                 dst.index_copy_(2, rows, part.to(dst.dtype))
