@@ -48,6 +48,8 @@ def static_refusal(spec: CacheSpec, sliding: bool) -> str | None:
 
 
 class StaticLayerKV:
+    """One layer's static storage (module docstring); allocated at the first tokens (their batch, heads, dtype)."""
+
     def __init__(self, spec: CacheSpec, max_len: int):
         why = static_refusal(spec, False)
         if why is not None:
@@ -172,11 +174,15 @@ class StaticLayerKV:
         slots = torch.remainder(torch.arange(a, b, device=ring_k.device), self.R)
         return ring_k.index_select(2, slots), ring_v.index_select(2, slots)
 
+    def _named(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, parts by "side.name"."""
+        count, ring_k, ring_v, *rest = tensors
+        return count, ring_k, ring_v, dict(zip(sorted(self.parts), rest))
+
     def split(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, dict]:
         """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, key parts, value parts (all
         rows) by part name."""
-        count, ring_k, ring_v, *rest = tensors
-        parts = dict(zip(sorted(self.parts), rest))
+        count, ring_k, ring_v, parts = self._named(tensors)
         whole = lambda t, tpr: t  # noqa: E731
         return count, ring_k, ring_v, self._side_parts(parts, "k", whole), self._side_parts(parts, "v", whole)
 
@@ -208,7 +214,7 @@ class StaticLayerKV:
     def plan_from(self, tensors: list[torch.Tensor], query_length: int) -> SegmentPlan:
         """The plan of a step whose ``query_length`` tokens are the last ones counted (a decode step: written to the
         ring already) or staged (a prompt), from :meth:`tensors` as the step hands them over."""
-        count, ring_k, ring_v, *rest = tensors
+        count, ring_k, ring_v, parts = self._named(tensors)
         staged = self.pending is not None
         n = int(count) + (query_length if staged else 0)
         if n > self.max_len:
@@ -216,7 +222,7 @@ class StaticLayerKV:
                                "larger max_cache_len)")
         n0 = n - query_length
         nq = self.n_stored(n0)
-        stored, memo = self._stored_segments(dict(zip(sorted(self.parts), rest)), nq)
+        stored, memo = self._stored_segments(parts, nq)
         after = self._ring(ring_k, ring_v, nq, n0)
         if staged:  # a prompt's tokens, exact; a decode step's token is the last one in the ring
             after.append(Segment(EXACT, n0, query_length, is_new=True, k=self.pending[0], v=self.pending[1]))
