@@ -91,16 +91,15 @@ def drive(quick: bool) -> None:
                     triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
             for side in (sp.key, sp.value):
                 triton_pack.encode(make_codec(side, 64, dtype).fmt, torch.randn(2, 2, 128, 64).to(dtype))
-    for spec in ["k4c16-v4t16-w16"] if quick else ["k4c16-v4t16-w16", "k2c16-v2t32-w32", "fp8-e4m3", "k8t32-v8t32"]:
+    for spec in ["k4c16-v4t16-w16-s4"] if quick else ["k4c16-v4t16-w16", "k2c16-v2t32-w32-s4", "fp8-e4m3",
+                                                       "k8t32-v8t32"]:
         lay = StaticLayerKV(preset(spec), 112)
         k = torch.randn(2, 2, 37, 64, dtype=torch.bfloat16)
         lay.allocate(k, k)
         lay.stage(k, k)
         lay.commit()
         lay.write_token(k[:, :, :1], k[:, :, :1])
-        count, rk, rv, kp, vp = lay.split(lay.tensors())
-        triton_static.attend(torch.randn(2, 4, 1, 64, dtype=torch.bfloat16), None, 0.125, count, rk, rv, kp, vp,
-                             lay.codecs["k"].fmt, lay.codecs["v"].fmt, lay.W, lay.G, lay.max_len)
+        triton_static.attend(torch.randn(2, 4, 1, 64, dtype=torch.bfloat16), None, 0.125, lay, lay.tensors())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,8 +73,8 @@ def test_static_peer_runs_and_only_compileable_caches_compile(tmp_path, capsys):
     # preallocated to the run's length (32 + 2 + 1 tokens): its bytes count what it holds, not what it uses
     assert rec["kv_bytes"]["bits_per_element"] > 32
     capsys.readouterr()
-    assert main([*base, "--kv", "kivi-2-sink4", "--compile"]) == 2  # the static cache refuses sinks in one line
-    assert "does not serve attention sinks" in capsys.readouterr().err
+    assert main([*base, "--kv", "hf-quanto-int4", "--compile"]) == 2  # transformers' quanto cache: not compileable
+    assert "hf-quanto-int4 cache is not compileable" in capsys.readouterr().err
 
 
 def test_kvsqueeze_specs_compile_as_the_static_cache(tmp_path):

@@ -214,7 +214,8 @@ def _static_attention(layer: StaticLayerKV, query, mask, scaling):
         # always builds (it cannot test it) is then not read at all
         op = static_attend_graphed if layer.graphed else static_attend
         state = layer.tensors()
-        out = op(query, mask if layer.padded else None, state[:3], state[3:], layer.op_id, float(scaling))
+        cut = layer.STATE
+        out = op(query, mask if layer.padded else None, state[:cut], state[cut:], layer.op_id, float(scaling))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -683,10 +684,8 @@ class _StaticHFLayer(CacheLayerMixin):
 
             if triton_static.supports(*fmts, key_states.shape[-1]):
                 def graphed(query, mask, tensors, scaling):  # counts read on the device: CUDA graphs record it
-                    count, rk, rv, kp, vp = kv.split(tensors)
                     _count_path(kv, "triton-static")  # (a replayed graph does not count again)
-                    return triton_static.attend(query, mask, scaling, count, rk, rv, kp, vp, *fmts, kv.W, kv.G,
-                                                kv.max_len)
+                    return triton_static.attend(query, mask, scaling, kv, tensors)
 
                 kv.step_attention, kv.graphed = graphed, True
         kv.op_id = register_layer(kv)
@@ -728,8 +727,8 @@ class StaticQuantizedCache(Cache):
     ``StaticQuantizedCache(model.config, "kivi-4", max_cache_len=4096)``, used inside ``with kvsqueeze.patch(model):``
     (the compiled graph reads the attention routing as a constant, so it is set for the whole run).  Everything is
     allocated at the first step for ``max_cache_len`` tokens; a decode step writes in place and branches on no
-    value (cache/static.py).  Same codes and outputs as :class:`QuantizedCache` with the same spec.  Refused in one
-    line: sinks, sliding-window layers, calibrated artifacts, fp8 with shared scales."""
+    value (cache/static.py).  Same codes and outputs as :class:`QuantizedCache` with the same spec, sinks
+    included.  Refused in one line: sliding-window layers, calibrated artifacts, fp8 with shared scales."""
 
     def __init__(self, config, spec: str | CacheSpec = "kivi-4", max_cache_len: int = 4096, backend: str = "auto"):
         spec = resolve_cache_spec(spec, "StaticQuantizedCache")

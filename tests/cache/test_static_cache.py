@@ -12,11 +12,11 @@ import kvsqueeze
 from kvsqueeze.adapter import QuantizedCache, StaticQuantizedCache, cache_kwargs
 from kvsqueeze.spec import preset
 
-SPECS = ["kivi-4", "kivi-2", "k4t64-v4t32-w32", "k8t64-v8t64", "fp8-e4m3", "rot-3 without sinks"]
+SPECS = ["kivi-4", "kivi-2-sink4", "k4t64-v4t32-w32", "k8t64-v8t64", "fp8-e4m3", "rot-3", "32 sinks"]
 
 
 def _spec(name):
-    return dataclasses.replace(preset("rot-3"), sinks=0) if name == "rot-3 without sinks" else name
+    return dataclasses.replace(preset("kivi-4"), sinks=32) if name == "32 sinks" else name
 
 
 def _run(model, cache, prompt, steps, chunks=(None,), step_fn=None):
@@ -76,9 +76,18 @@ def test_generate_with_left_padding_matches_the_dynamic_cache(tiny_llama):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_a_prompt_shorter_than_the_sinks(tiny_llama):
+    """Decode steps that write sinks (a 2-token prompt, 4 sinks), compiled: the same logits as the dynamic cache."""
+    prompt = torch.randint(0, 256, (1, 2), generator=torch.Generator().manual_seed(7))
+    want = _run(tiny_llama, QuantizedCache(tiny_llama.config, "kivi-2-sink4", backend="torch"), prompt, 200)
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_llama, backend="aot_eager", fullgraph=True)
+    got = _run(tiny_llama, StaticQuantizedCache(tiny_llama.config, "kivi-2-sink4", 256, backend="torch"), prompt, 200,
+               step_fn=compiled)
+    assert torch.allclose(got, want, atol=2e-5, rtol=0), (got - want).abs().max()
+
+
 def test_refusals(tiny_llama, tiny_mixed_sliding):
-    with pytest.raises(ValueError, match="sinks"):
-        StaticQuantizedCache(tiny_llama.config, "kivi-2-sink4", 256)
     with pytest.raises(ValueError, match="sliding-window layers"):
         StaticQuantizedCache(tiny_mixed_sliding.config, "kivi-4", 256)
     cache = StaticQuantizedCache(tiny_llama.config, "kivi-4", 64)

@@ -16,11 +16,13 @@ from ._helpers import HAS_TRITON, TRITON_DEVICE, require_triton_runtime
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
-# (spec, padding mask): per-channel keys with a window, 2-bit, per-token 8-bit, fp8
-CASES = [("k4c16-v4t16-w16", True), ("k2c16-v2t32-w32", False), ("k8t32-v8t32", False), ("fp8-e4m3", False)]
+# (spec, padding mask, prompt tokens): per-channel keys with a window, 2-bit with sinks (and a prompt shorter than
+# the sinks: decode steps write them), per-token 8-bit, fp8
+CASES = [("k4c16-v4t16-w16", True, 37), ("k2c16-v2t32-w32-s4", False, 37), ("k4c16-v4t16-w16-s4", True, 2),
+         ("k8t32-v8t32", False, 37), ("fp8-e4m3", False, 37)]
 
 
-def _steps(spec: str, mask: bool) -> None:
+def _steps(spec: str, mask: bool, prompt: int) -> None:
     from kvsqueeze.kernels import triton_static
 
     require_triton_runtime()
@@ -31,28 +33,26 @@ def _steps(spec: str, mask: bool) -> None:
     def kv(n):
         return [torch.randn(b, hkv, n, d, generator=g).to(TRITON_DEVICE) for _ in range(2)]
 
-    k, v = kv(37)
+    k, v = kv(prompt)
     layer.allocate(k, v)
     layer.stage(k, v)
     layer.commit()
     cols = torch.ones(b, 1, 1, layer.max_len, dtype=torch.bool, device=TRITON_DEVICE)
-    cols[1, ..., :5] = False  # the second row's first 5 positions are padding
+    cols[1, ..., 1:3] = False  # two of the second row's positions are hidden (among the sinks where there are)
     for step in range(28):  # past flushes of the group and a wrap of the ring (48 slots for the first spec)
         k, v = kv(1)
         layer.write_token(k, v)
         q = torch.randn(b, hq, 1, d, generator=g).to(TRITON_DEVICE)
         m = cols if mask else None
-        count, rk, rv, kp, vp = layer.split(layer.tensors())
-        got = triton_static.attend(q, m, 0.2, count, rk, rv, kp, vp, layer.codecs["k"].fmt, layer.codecs["v"].fmt,
-                                   layer.W, layer.G, layer.max_len)
+        got = triton_static.attend(q, m, 0.2, layer, layer.tensors())
         want = reference.attend(q, layer.plan_from(layer.tensors(), 1), m, 0.2)
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (step, (got - want).abs().max())
         layer.flush()
 
 
-@pytest.mark.parametrize("spec,mask", CASES)
-def test_matches_the_reference_step_after_step(spec, mask):
-    _steps(spec, mask)
+@pytest.mark.parametrize("spec,mask,prompt", CASES)
+def test_matches_the_reference_step_after_step(spec, mask, prompt):
+    _steps(spec, mask, prompt)
 
 
 def test_a_compiled_model_takes_the_graphed_operator(tiny_llama):

@@ -4,22 +4,24 @@ The dynamic layer (:mod:`.layer`) grows blocks, moves a window and branches on t
 graph would bake those counts in.  Here every tensor is allocated once for ``max_len`` tokens and a one-token step
 changes no Python state, only tensors, in place:
 
-* packed history: token ``t`` at row ``t // tokens_per_row`` of each stored part (no blocks, no table); the first
-  ``nq(n) = G * max(0, (n - W) // G)`` of the ``n`` tokens are stored there (W: the spec's window, G: its
+* attention sinks: the first S tokens (the spec's ``sinks``) in a buffer of their own, full precision; the tokens
+  after them are the body, body token ``u`` being token ``S + u``;
+* packed history: body token ``u`` at row ``u // tokens_per_row`` of each stored part (no blocks, no table); the
+  first ``nq(m) = G * max(0, (m - W) // G)`` of the ``m`` body tokens are stored there (W: the spec's window, G: its
   ``flush_tokens``), as in the dynamic layer, whose window holds W to W + G - 1 tokens;
-* the rest, full precision, in a ring of ``R = W + 2G`` slots, token ``t`` at slot ``t % R``;
-* ``count`` = n, a 0-dim device tensor.
+* the rest, full precision, in a ring of ``R = W + 2G`` slots, body token ``u`` at slot ``u % R``;
+* ``count`` = n = S + m tokens, a 0-dim device tensor.
 
-A decode step writes its token into the ring and counts it (:meth:`write_token`); attention reads the packed
-``[0, nq(n - 1))`` and the ring's ``[nq(n - 1), n)`` (:meth:`plan_from`, from the tensors the compiled graph hands
+A decode step writes its token into the ring (or the sinks, while fewer than S are held) and counts it
+(:meth:`write_token`); attention reads the sinks, the packed ``[0, nq(m - 1))`` and the ring's ``[nq(m - 1), m)`` (:meth:`plan_from`, from the tensors the compiled graph hands
 over); then :meth:`flush` (run by the attention operator, kernels/static_op.py) encodes the group
 ``[nq(n) - G, nq(n))`` from the ring into its rows.  It does so every
 step, new group or not: encoding the same exact tokens again writes the same codes, so the step never branches on
 a value.  The ring holds the last R tokens, which always include that group (R >= W + 2G - 1).  A prompt (any
 length, eager) attends exactly as the dynamic layer's and is then committed (:meth:`commit`).
 
-Not served here (refused in one line): sinks, sliding-window layers, formats whose encoding depends on the
-position (pre-RoPE keys) or on tensors shared across tokens (fp8 per-head / per-tensor scales).
+Not served here (refused in one line): sliding-window layers, formats whose encoding depends on the position
+(pre-RoPE keys) or on tensors shared across tokens (fp8 per-head / per-tensor scales).
 """
 
 from __future__ import annotations
@@ -35,8 +37,6 @@ def static_refusal(spec: CacheSpec, sliding: bool) -> str | None:
     """Why a static layer cannot hold this spec, or None."""
     if sliding:
         return "sliding-window layers (the static cache serves models whose layers all attend globally)"
-    if spec.sinks:
-        return "attention sinks (use a spec without -s, e.g. kivi-4)"
     if spec.layer_overrides is not None:
         return "calibrated per-layer formats"
     for side in (spec.key, spec.value):
@@ -59,8 +59,10 @@ class StaticLayerKV:
         self.spec = spec
         self.G = spec.flush_tokens
         self.W = spec.window
+        self.S = spec.sinks
         self.R = self.W + 2 * self.G
-        self.max_len = -(-max_len // self.G) * self.G  # whole groups: a flush writes G tokens' rows
+        self.rows = -(-max(max_len - self.S, 1) // self.G) * self.G  # body tokens, whole groups (a flush writes G)
+        self.max_len = self.S + self.rows
         self.parts: dict[str, torch.Tensor] = {}  # "k.codes", "v.scale", ... [B, H, rows, ...]
         self.ring_k: torch.Tensor | None = None
         self.ring_v: torch.Tensor | None = None
@@ -77,11 +79,13 @@ class StaticLayerKV:
         self.codecs = {"k": make_codec(self.spec.key, d, k.dtype), "v": make_codec(self.spec.value, d, v.dtype)}
         for side, codec in self.codecs.items():
             for name, lay in codec.layout().items():
-                rows = self.max_len // lay.tokens_per_row
+                rows = self.rows // lay.tokens_per_row
                 self.parts[f"{side}.{name}"] = torch.zeros((b, h, rows, *lay.tail), dtype=lay.dtype, device=dev)
         # zeros, not empty: a step's flush re-encodes ring slots before they hold tokens (its rows are not read yet)
         self.ring_k = torch.zeros((b, h, self.R, d), dtype=k.dtype, device=dev)
         self.ring_v = torch.zeros((b, h, self.R, v.shape[-1]), dtype=v.dtype, device=dev)
+        self.sink_k = torch.zeros((b, h, self.S, d), dtype=k.dtype, device=dev)
+        self.sink_v = torch.zeros((b, h, self.S, v.shape[-1]), dtype=v.dtype, device=dev)
         self.count = torch.zeros((), dtype=torch.int64, device=dev)
         # the step's groups in ring slots and part rows, relative to a group's first token
         self._g = torch.arange(self.G, device=dev)
@@ -95,12 +99,16 @@ class StaticLayerKV:
         """[B, H, ring slots, D] once allocated (the batch is what reports read)."""
         return None if self.ring_k is None else tuple(self.ring_k.shape)
 
+    STATE = 5  # tensors() before the parts: count, ring keys, ring values, sink keys, sink values
+
     def tensors(self) -> list[torch.Tensor]:
-        """What attention reads, in :meth:`plan_from`'s order: count, ring keys, ring values, the parts by name."""
-        return [self.count, self.ring_k, self.ring_v, *(self.parts[n] for n in sorted(self.parts))]
+        """What attention reads: count, ring keys, ring values, sink keys, sink values, the parts by name."""
+        return [self.count, self.ring_k, self.ring_v, self.sink_k, self.sink_v,
+                *(self.parts[n] for n in sorted(self.parts))]
 
     def n_stored(self, n: int) -> int:
-        return self.G * max(0, (n - self.W) // self.G)
+        """Body tokens stored packed when the layer holds n tokens."""
+        return self.G * max(0, (n - self.S - self.W) // self.G)
 
     def _side_parts(self, parts: dict[str, torch.Tensor], side: str, rows_of) -> dict[str, torch.Tensor]:
         return {key.split(".", 1)[1]: rows_of(t, self.codecs[side].layout()[key.split(".", 1)[1]].tokens_per_row)
@@ -114,7 +122,14 @@ class StaticLayerKV:
 
     # ------------------------------------------------------------------ a decode step (traced)
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        slot = torch.remainder(self.count, self.R).view(1)
+        """The step's token into the ring, or into the sinks while fewer than S are held (it is then also written to
+        a ring slot no window reads before a later token takes it: no branch)."""
+        if self.S:
+            i = torch.clamp(self.count, max=self.S - 1).view(1)
+            sink = self.count < self.S
+            self.sink_k.index_copy_(2, i, torch.where(sink, k, self.sink_k.index_select(2, i)))
+            self.sink_v.index_copy_(2, i, torch.where(sink, v, self.sink_v.index_select(2, i)))
+        slot = torch.remainder(self.count - self.S, self.R).view(1)
         self.ring_k.index_copy_(2, slot, k)
         self.ring_v.index_copy_(2, slot, v)
         self.count.add_(1)
@@ -125,11 +140,11 @@ class StaticLayerKV:
         eagerly on a CPU, where reading the count costs nothing, only the steps that complete a group do it."""
         count, ring_k, ring_v, k_parts, v_parts = self.split(tensors or self.tensors())
         if count.device.type == "cpu" and not torch.compiler.is_compiling():
-            n = int(count)
-            if n < self.W + self.G or (n - self.W) % self.G:
+            m = int(count) - self.S
+            if m < self.W + self.G or (m - self.W) % self.G:
                 return
-        nq = torch.clamp(torch.div(count - self.W, self.G, rounding_mode="floor"), min=1) * self.G
-        first = torch.clamp(nq - self.G, max=self.max_len - self.G)  # a step past max_len is refused by attention
+        nq = torch.clamp(torch.div(count - self.S - self.W, self.G, rounding_mode="floor"), min=1) * self.G
+        first = torch.clamp(nq - self.G, max=self.rows - self.G)  # a step past max_len is refused by attention
         slots = torch.remainder(first + self._g, self.R)
         self._write(first, ring_k.index_select(2, slots), ring_v.index_select(2, slots), {"k": k_parts, "v": v_parts})
 
@@ -153,18 +168,25 @@ class StaticLayerKV:
         self.pending = (k, v)
 
     def commit(self) -> None:
-        """Store the staged tokens: the groups that left the window encoded, the ring refilled."""
+        """Store the staged tokens: sinks first, then the body's groups that left the window encoded, the ring
+        refilled."""
         k, v = self.pending
         self.pending = None
         n0 = int(self.count)
         n1 = n0 + k.shape[2]
+        to_sinks = max(0, min(n1, self.S) - n0)
+        if to_sinks:
+            self.sink_k[:, :, n0:n0 + to_sinks] = k[:, :, :to_sinks]
+            self.sink_v[:, :, n0:n0 + to_sinks] = v[:, :, :to_sinks]
+            k, v = k[:, :, to_sinks:], v[:, :, to_sinks:]
+        m0, m1 = max(n0 - self.S, 0), max(n1 - self.S, 0)  # body tokens before and after
         a, b = self.n_stored(n0), self.n_stored(n1)
-        wk, wv = self._window(self.ring_k, self.ring_v, a, n0)
-        ek, ev = torch.cat([wk, k], 2), torch.cat([wv, v], 2)  # exact tokens [a, n1)
+        wk, wv = self._window(self.ring_k, self.ring_v, a, m0)
+        ek, ev = torch.cat([wk, k], 2), torch.cat([wv, v], 2)  # exact body tokens [a, m1)
         if b > a:
             self._write(a, ek[:, :, : b - a], ev[:, :, : b - a])
-        keep = max(a, n1 - self.R)
-        slots = torch.remainder(torch.arange(keep, n1, device=k.device), self.R)
+        keep = max(a, m1 - self.R)
+        slots = torch.remainder(torch.arange(keep, m1, device=k.device), self.R)
         self.ring_k.index_copy_(2, slots, ek[:, :, keep - a:])
         self.ring_v.index_copy_(2, slots, ev[:, :, keep - a:])
         self.count.fill_(n1)
@@ -176,8 +198,8 @@ class StaticLayerKV:
 
     def _named(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, parts by "side.name"."""
-        count, ring_k, ring_v, *rest = tensors
-        return count, ring_k, ring_v, dict(zip(sorted(self.parts), rest))
+        count, ring_k, ring_v = tensors[:3]
+        return count, ring_k, ring_v, dict(zip(sorted(self.parts), tensors[self.STATE:]))
 
     def split(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict, dict]:
         """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, key parts, value parts (all
@@ -187,12 +209,12 @@ class StaticLayerKV:
         return count, ring_k, ring_v, self._side_parts(parts, "k", whole), self._side_parts(parts, "v", whole)
 
     def _ring(self, ring_k, ring_v, a: int, b: int, is_new: bool = False) -> list[Segment]:
-        """Positions [a, b) of the ring as views (one, or two where they wrap), not copies."""
+        """Body tokens [a, b) of the ring as views (one, or two where they wrap), not copies."""
         out = []
         while a < b:
             s = a % self.R
             e = min(s + b - a, self.R)
-            out.append(Segment(EXACT, a, e - s, is_new=is_new, k=ring_k[:, :, s:e], v=ring_v[:, :, s:e]))
+            out.append(Segment(EXACT, self.S + a, e - s, is_new=is_new, k=ring_k[:, :, s:e], v=ring_v[:, :, s:e]))
             a += e - s
         return out
 
@@ -206,7 +228,7 @@ class StaticLayerKV:
                 def rows(t, tpr):
                     return t[:, :, : nq // tpr]
                 kp, vp = self._side_parts(parts, "k", rows), self._side_parts(parts, "v", rows)
-                stored = (Segment(STORED, 0, nq, k_parts=kp, v_parts=vp,
+                stored = (Segment(STORED, self.S, nq, k_parts=kp, v_parts=vp,
                                   decode=lambda: (self.codecs["k"].decode(kp), self.codecs["v"].decode(vp))),)
             self._stored = (key, stored, Memo())
         return self._stored[1], self._stored[2]
@@ -223,12 +245,17 @@ class StaticLayerKV:
         n0 = n - query_length
         nq = self.n_stored(n0)
         stored, memo = self._stored_segments(parts, nq)
-        after = self._ring(ring_k, ring_v, nq, n0)
-        if staged:  # a prompt's tokens, exact; a decode step's token is the last one in the ring
+        sink_k, sink_v = tensors[3:5]
+        held = min(n0, self.S)  # sinks held before the step
+        before = (Segment(EXACT, 0, held, k=sink_k[:, :, :held], v=sink_v[:, :, :held]),) if held else ()
+        after = self._ring(ring_k, ring_v, nq, max(n0 - self.S, 0))
+        if staged:  # a prompt's tokens, exact; a decode step's token is the last one in the sinks or the ring
             after.append(Segment(EXACT, n0, query_length, is_new=True, k=self.pending[0], v=self.pending[1]))
+        elif n0 < self.S:
+            after.append(Segment(EXACT, n0, 1, is_new=True, k=sink_k[:, :, n0:n], v=sink_v[:, :, n0:n]))
         else:
-            after += self._ring(ring_k, ring_v, n0, n, is_new=True)
-        return SegmentPlan((), stored, tuple(after), self.codecs["k"].fmt, self.codecs["v"].fmt, 0, n0, self.G,
+            after += self._ring(ring_k, ring_v, n0 - self.S, n - self.S, is_new=True)
+        return SegmentPlan(before, stored, tuple(after), self.codecs["k"].fmt, self.codecs["v"].fmt, 0, n0, self.G,
                            self._shared[0], self._shared[1], memo)
 
     def nbytes(self) -> dict[str, int]:
@@ -237,6 +264,6 @@ class StaticLayerKV:
         for key, t in self.parts.items():
             side, name = key.split(".", 1)
             out[self.codecs[side].layout()[name].kind] += t.numel() * t.element_size()
-        if self.ring_k is not None:
-            out["fp"] += 2 * self.ring_k.numel() * self.ring_k.element_size()
+        for t in (self.ring_k, self.ring_v, self.sink_k, self.sink_v) if self.allocated else ():
+            out["fp"] += t.numel() * t.element_size()
         return out

@@ -121,14 +121,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
-                      mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr, RING: tl.constexpr):
+                      mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr, RING: tl.constexpr,
+                      RING0: tl.constexpr):
         """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given); RING > 0: the
-        tokens are positions col0 .. col0 + n - 1 of a ring of RING slots, position p at slot p % RING."""
+        tokens are positions col0 .. col0 + n - 1 of a ring of RING slots, position p at slot (p - RING0) % RING."""
         for t0 in range(0, n, BT):
             t = t0 + tl.arange(0, BT)
             t_ok = t < n
             if RING:
-                row = (col0 + t) % RING
+                row = (col0 - RING0 + t) % RING
             else:
                 row = t
             k = tl.load(k_ptr + b * ksb + h * ksh + row[:, None] * kst + ch[None, :], mask=t_ok[:, None],
@@ -147,18 +148,19 @@ if HAS_TRITON:
         sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t,
         n_s, n_w, n_n, col_s, col_w, col_n, n_parts, scaling, m_sb, m_sq, m_sc, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
-        BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr, RING: tl.constexpr,
+        BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr, RING: tl.constexpr, RING0: tl.constexpr,
     ):
         """One (sequence, kv head): the stored tokens' partials merged exactly (log-sum-exp), the full-precision
         segments (sinks, window, the step's new tokens: n_s, n_w, n_n tokens, any of them 0) attended here, and the
         output written in its dtype; rows whose every score was masked give 0.  RING > 0 (a static cache's step):
-        window and new tokens lie in one ring of RING slots, their counts and first positions read from
-        cnt_ptr[1:5] on the device (n_w, col_w, n_n, col_n)."""
+        window and new tokens lie in one ring of RING slots (position p at slot (p - RING0) % RING), their counts
+        and first positions and the sinks held read from cnt_ptr[1:6] on the device (n_w, col_w, n_n, col_n, n_s)."""
         if RING:
             n_w = tl.load(cnt_ptr + 1)
             col_w = tl.load(cnt_ptr + 2)
             n_n = tl.load(cnt_ptr + 3)
             col_n = tl.load(cnt_ptr + 4)
+            n_s = tl.load(cnt_ptr + 5)
         bh = tl.program_id(0)
         b = bh // HKV
         h = bh % HKV
@@ -184,11 +186,11 @@ if HAS_TRITON:
         q = q.to(tl.float32) * scaling
         lq = rows % LQ
         m, l_, acc = _exact_tokens(q, m, l_, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, n_s, col_s,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0, 0)
         m, l_, acc = _exact_tokens(q, m, l_, acc, wk_ptr, wv_ptr, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, n_w, col_w,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, RING)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, RING, RING0)
         m, l_, acc = _exact_tokens(q, m, l_, acc, nk_ptr, nv_ptr, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t, n_n, col_n,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT, RING)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT, RING, RING0)
         out = acc / tl.maximum(l_, 1e-30)[:, None]
         tl.store(out_ptr + (bh * R + rows)[:, None] * D + ch[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None])
@@ -302,6 +304,6 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     _finish_kernel[(b * hkv,)](
         q, m_buf, l_buf, acc_buf, out, mask_t, *args, *strides, *(n for n, _ in counts), *(c for _, c in counts),
         total, float(scaling), *mst, m_buf, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
-        RING=0,
+        RING=0, RING0=0,
     )
     return out
