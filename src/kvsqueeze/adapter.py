@@ -720,6 +720,34 @@ class _StaticHFLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.kv.reset()
 
+    # rows re-indexed in place (the addresses a compiled graph holds stay); edits that change shapes are refused
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        idx = torch.as_tensor(indices).to(self.kv.count.device)
+        batch = self.kv.ring_k.shape[0]
+        if idx.dim() != 1 or idx.numel() != batch or idx.dtype == torch.bool or idx.is_floating_point():
+            raise CacheEditError(f"StaticQuantizedCache keeps its batch of {batch}: it takes {batch} row indices "
+                                 f"(a permutation or a selection with repeats); got {indices!r}")
+        for t in self.kv.tensors()[1:]:
+            t.copy_(t.index_select(0, idx % batch))
+        self.kv.reset_derived()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise CacheEditError("StaticQuantizedCache keeps the batch it was filled with; QuantizedCache can repeat rows")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise CacheEditError("StaticQuantizedCache cannot be cropped; QuantizedCache can")
+
+    def offload(self):  # storage lives where the model runs
+        pass
+
+    def prefetch(self):
+        pass
+
 
 class StaticQuantizedCache(Cache):
     """A quantized cache of fixed shapes whose decode step ``torch.compile`` captures (``is_compileable``).

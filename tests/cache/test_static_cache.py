@@ -124,3 +124,22 @@ def test_a_reset_cache_serves_a_new_prompt_as_a_fresh_one(tiny_llama):
     cache.reset()
     assert int(cache.get_seq_length()) == 0
     assert torch.equal(_run(tiny_llama, cache, b, 30), fresh)
+
+
+def test_beam_search_reorders_rows_in_place_and_shape_edits_are_refused(tiny_llama):
+    from kvsqueeze.errors import CacheEditError
+
+    ids = torch.randint(3, 256, (2, 170), generator=torch.Generator().manual_seed(8))
+    outs = []
+    for cache in (QuantizedCache(tiny_llama.config, "kivi-4"), StaticQuantizedCache(tiny_llama.config, "kivi-4", 256)):
+        with torch.no_grad(), kvsqueeze.patch(tiny_llama):
+            tiny_llama(input_ids=ids, **cache_kwargs(tiny_llama, cache))
+            cache.reorder_cache(torch.tensor([1, 0]))
+            outs.append(tiny_llama(input_ids=ids[:, -1:], **cache_kwargs(tiny_llama, cache)).logits)
+    assert torch.allclose(outs[0], outs[1], atol=1e-4), (outs[0] - outs[1]).abs().max()
+    with pytest.raises(CacheEditError, match="keeps its batch of 2"):
+        cache.batch_select_indices(torch.tensor([0]))
+    with pytest.raises(CacheEditError):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(CacheEditError):
+        cache.crop(-3)

@@ -118,7 +118,12 @@ class StaticLayerKV:
         """Empty, keeping every tensor (a compiled graph is specialised to them)."""
         if self.allocated:
             self.count.zero_()
-        self.pending, self._stored, self.padded = None, None, False
+        self.pending, self.padded = None, False
+        self.reset_derived()
+
+    def reset_derived(self) -> None:
+        """Forget what kernels derived from the tensors' contents (after they were rewritten in place)."""
+        self._stored = None
 
     # ------------------------------------------------------------------ a decode step (traced)
     def write_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
