@@ -702,6 +702,11 @@ class _StaticHFLayer(CacheLayerMixin):
                                "in `with kvsqueeze.patch(model):`")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        ring = self.kv.ring_k
+        if (key_states.shape[:2], key_states.shape[3], key_states.dtype) != (ring.shape[:2], ring.shape[3], ring.dtype):
+            raise ValueError(f"this StaticQuantizedCache holds batch {ring.shape[0]} x {ring.shape[1]} KV heads x "
+                             f"head_dim {ring.shape[3]} in {ring.dtype} (fixed when it was first filled; reset() keeps "
+                             f"them); got {tuple(key_states.shape)} in {key_states.dtype}: make a new cache")
         if key_states.shape[2] == 1 and self.kv.pending is None:
             self.kv.write_token(key_states, value_states)
         else:

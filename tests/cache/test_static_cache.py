@@ -90,6 +90,15 @@ def test_a_prompt_shorter_than_the_sinks(tiny_llama):
 def test_refusals(tiny_llama, tiny_mixed_sliding):
     with pytest.raises(ValueError, match="sliding-window layers"):
         StaticQuantizedCache(tiny_mixed_sliding.config, "kivi-4", 256)
+    for bad in (0, -5, 2.5, "4096", True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive int"):
+            StaticQuantizedCache(tiny_llama.config, "kivi-4", bad)
+    filled = StaticQuantizedCache(tiny_llama.config, "kivi-4", 64)
+    with torch.no_grad(), kvsqueeze.patch(tiny_llama):
+        tiny_llama(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(tiny_llama, filled))
+        filled.reset()
+        with pytest.raises(ValueError, match="holds batch 1 x 2 KV heads"):  # another batch: refused, not reshaped
+            tiny_llama(input_ids=torch.zeros(2, 4, dtype=torch.long), **cache_kwargs(tiny_llama, filled))
     cache = StaticQuantizedCache(tiny_llama.config, "kivi-4", 64)
     with torch.no_grad(), pytest.raises(RuntimeError, match="kvsqueeze.patch"):  # not routed: refused, not wrong
         tiny_llama(input_ids=torch.zeros(1, 4, dtype=torch.long), **cache_kwargs(tiny_llama, cache))

@@ -54,8 +54,8 @@ class StaticLayerKV:
         why = static_refusal(spec, False)
         if why is not None:
             raise ValueError(f"the static cache does not serve {why}")
-        if max_len < 1:
-            raise ValueError(f"max_len must be positive, got {max_len}")
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int, got {max_len!r}")
         self.spec = spec
         self.G = spec.flush_tokens
         self.W = spec.window
