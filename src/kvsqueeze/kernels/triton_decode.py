@@ -210,6 +210,19 @@ class _Launch(NamedTuple):
     pool: PoolRun | None = None
 
 
+def partial_buffers(bh: int, splits: int, r: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where ``_partials_kernel`` writes each split's (max, sum, weighted values) for ``r`` query rows of ``bh``
+    (sequence, kv head) pairs, and ``_finish_kernel`` reads them: [bh, splits, r] twice, [bh, splits, r, d]."""
+    m_buf = torch.empty(bh, max(splits, 1), r, device=device)
+    return m_buf, torch.empty_like(m_buf), torch.empty(bh, max(splits, 1), r, d, device=device)
+
+
+def exact_strides(tensors, unused: torch.Tensor) -> list[int]:
+    """(batch, head, token) strides of each [B, H, T, D] full-precision tensor ``_finish_kernel`` reads; 0s for
+    ``unused`` (an empty slot's placeholder)."""
+    return [st for t in tensors for st in ((0, 0, 0) if t is unused else (t.stride(0), t.stride(1), t.stride(2)))]
+
+
 def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
     """Tokens per program of a split-K launch over n tokens: as many chunks as give the GPU TARGET_PROGRAMS
     programs, each at least ``least`` tokens, a multiple of ``bt`` (fewer, longer chunks keep the partials, written
@@ -267,9 +280,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     splits = [triton.cdiv(w.n, c) for w, c in zip(work, chunks)]
     total = sum(splits)
     dev = query.device
-    m_buf = torch.empty(b * hkv, max(total, 1), r, device=dev)
-    l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty(b * hkv, max(total, 1), r, d, device=dev)
+    m_buf, l_buf, acc_buf = partial_buffers(b * hkv, total, r, d, dev)
     rp = triton.next_power_of_2(r)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
@@ -298,7 +309,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
         k, v = (m_buf, m_buf) if seg is None else (seg.k, seg.v)
         args += [t if t.stride(-1) == 1 else t.contiguous() for t in (k, v)]
         counts.append((0, 0) if seg is None else (seg.length, seg.start - first))
-    strides = [st for t in args for st in ((0, 0, 0) if t is m_buf else (t.stride(0), t.stride(1), t.stride(2)))]
+    strides = exact_strides(args, m_buf)
     out = torch.empty_like(q)
     new_mask = (3 if lq > 1 else 0) if mask is None else mkind  # new tokens: causal among themselves
     _finish_kernel[(b * hkv,)](

@@ -21,7 +21,7 @@ from .triton_common import (
     table_width,
     unrotate_rows,
 )
-from .triton_decode import BLOCK_T, CHUNK, _chunk_tokens
+from .triton_decode import BLOCK_T, CHUNK, _chunk_tokens, exact_strides, partial_buffers
 
 if HAS_TRITON:
     import triton
@@ -61,9 +61,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
     bt = min(BLOCK_T, CHUNK)
     ch = _chunk_tokens(layer.rows, b * hkv, CHUNK, bt)  # fixed by the layer's length, not the step's
     nsp = triton.cdiv(layer.rows, ch)
-    m_buf = torch.empty(b * hkv, nsp, r, device=dev)
-    l_buf = torch.empty_like(m_buf)
-    acc_buf = torch.empty(b * hkv, nsp, r, d, device=dev)
+    m_buf, l_buf, acc_buf = partial_buffers(b * hkv, nsp, r, d, dev)
     rp = triton.next_power_of_2(r)
     mask_t, mst, mkind = mask_args(mask, q)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
@@ -80,8 +78,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         acc_buf = unrotate_rows(acc_buf, v_tab)
     out = torch.empty_like(q)
     sinks = [sink_k, sink_v] if layer.S else [m_buf, m_buf]
-    strides = [st for t in (*sinks, ring_k, ring_v, ring_k, ring_v)
-               for st in ((0, 0, 0) if t is m_buf else (t.stride(0), t.stride(1), t.stride(2)))]
+    strides = exact_strides((*sinks, ring_k, ring_v, ring_k, ring_v), m_buf)
     _finish_kernel[(b * hkv,)](
         q, m_buf, l_buf, acc_buf, out, mask_t, *sinks, ring_k, ring_v, ring_k, ring_v, *strides,
         0, 0, 0, 0, 0, 0, nsp, float(scaling), *mst, cnt,
