@@ -174,9 +174,7 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: floa
         else:
             if layer.attend is None:
                 layer.attend = resolve_backend(layer.backend, query.device)
-            plan = layer.plan()
-            _count_path(layer, _kernel_path(layer.attend, query, plan))
-            out = layer.attend(query, plan, attention_mask, scaling)
+            out = _attend_counted(layer, layer.attend, query, layer.plan(), attention_mask, scaling)
         layer.finish_step()  # commits this layer now (quantizing what left the window); undone if the step fails
     except BaseException:
         if layer.step is not None:
@@ -226,6 +224,12 @@ def _hides_a_position(mask, n: int) -> bool:
         return False
     last = mask[:, :, -1, :n]
     return not bool(last.all() if last.dtype == torch.bool else (last == 0).all())
+
+
+def _attend_counted(layer, attend: Callable, query, plan, mask, scaling):
+    """``attend(query, plan, mask, scaling)``, the path it takes counted on ``layer`` (attention_paths)."""
+    _count_path(layer, _kernel_path(attend, query, plan))
+    return attend(query, plan, mask, scaling)
 
 
 def _kernel_path(attend: Callable, query, plan) -> str:
@@ -668,11 +672,7 @@ class _StaticHFLayer(CacheLayerMixin):
 
         kv = self.kv
         kv.allocate(key_states, value_states)
-        attend = resolve_backend(self.backend, key_states.device)
-
-        def counted(query, plan, mask, scaling):  # the path each step ran on, for reports (attention_paths)
-            _count_path(kv, _kernel_path(attend, query, plan))
-            return attend(query, plan, mask, scaling)
+        counted = functools.partial(_attend_counted, kv, resolve_backend(self.backend, key_states.device))
 
         def planned(query, mask, tensors, scaling):
             return counted(query, kv.plan_from(tensors, query.shape[2]), mask, scaling)

@@ -145,8 +145,8 @@ class StaticLayerKV:
         eagerly on a CPU, where reading the count costs nothing, only the steps that complete a group do it."""
         count, ring_k, ring_v, k_parts, v_parts = self.split(tensors or self.tensors())
         if count.device.type == "cpu" and not torch.compiler.is_compiling():
-            m = int(count) - self.S
-            if m < self.W + self.G or (m - self.W) % self.G:
+            n = int(count)
+            if self.n_stored(n) == self.n_stored(n - 1):  # this step completed no group
                 return
         nq = torch.clamp(torch.div(count - self.S - self.W, self.G, rounding_mode="floor"), min=1) * self.G
         first = torch.clamp(nq - self.G, max=self.rows - self.G)  # a step past max_len is refused by attention
@@ -186,8 +186,9 @@ class StaticLayerKV:
             k, v = k[:, :, to_sinks:], v[:, :, to_sinks:]
         m0, m1 = max(n0 - self.S, 0), max(n1 - self.S, 0)  # body tokens before and after
         a, b = self.n_stored(n0), self.n_stored(n1)
-        wk, wv = self._window(self.ring_k, self.ring_v, a, m0)
-        ek, ev = torch.cat([wk, k], 2), torch.cat([wv, v], 2)  # exact body tokens [a, m1)
+        window = self._ring(self.ring_k, self.ring_v, a, m0)
+        ek = torch.cat([*(seg.k for seg in window), k], 2)  # exact body tokens [a, m1)
+        ev = torch.cat([*(seg.v for seg in window), v], 2)
         if b > a:
             self._write(a, ek[:, :, : b - a], ev[:, :, : b - a])
         keep = max(a, m1 - self.R)
@@ -197,10 +198,6 @@ class StaticLayerKV:
         self.count.fill_(n1)
 
     # ------------------------------------------------------------------ what attention reads
-    def _window(self, ring_k, ring_v, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = torch.remainder(torch.arange(a, b, device=ring_k.device), self.R)
-        return ring_k.index_select(2, slots), ring_v.index_select(2, slots)
-
     def _named(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
         """:meth:`tensors` as a step hands them over -> count, ring keys, ring values, parts by "side.name"."""
         count, ring_k, ring_v = tensors[:3]
