@@ -13,8 +13,12 @@ in-model case: at 8k tokens the kernel took ~0.6 ms per SmolLM2 layer inside the
 GPU section (only with CUDA and Triton): 32 query heads, head_dim 128, 8 (GQA) or 32 KV heads, contexts 4k-128k,
 batch 1 and 16, bf16: the fused Triton decode over kivi-4 / kivi-2 / int8 blocks (checked against SDPA over the
 decoded K/V first) vs SDPA over bf16, with bytes read, GB/s and their share of the device copy bandwidth.
-Then a GPU prefill section (``--prefill-tokens``, 0 skips): a chunk of new tokens over a packed history through
-the Triton prefill kernel, the block-by-block torch reference and fp16 SDPA.
+``--gpu-graphs`` adds each method replayed from a CUDA graph (kernel time, no Python); ``--gpu-configs
+32:1024:4 64:4096:8`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
+TARGET_PROGRAMS : NUM_WARPS of kernels/triton_decode.py), a row each; the default is the module's own.
+Then a GPU prefill section (``--prefill-tokens``, 0 skips; ``--prefill-contexts``, default the decode's): a chunk
+of new tokens over a packed history through the Triton prefill kernel, the block-by-block torch reference
+(``--no-prefill-reference`` leaves it out) and bf16 SDPA over the history unpacked (no mask: a lower bound).
 
     PYTHONPATH=src python benchmarks/attention_micro.py --threads 2 --layers 4 --contexts 4096 8192 16384 32768 65536
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -176,6 +181,7 @@ def bench_gpu(args) -> None:
         print("\n## GPU: Triton kernels unavailable; section skipped")
         return
     dev, dt = torch.device("cuda"), torch.bfloat16
+    configs = args.gpu_configs or [LaunchShape.current()]
     bw = gpu_copy_bandwidth()
     print(f"\n## GPU: {torch.cuda.get_device_name()}, one layer per step, 32 query heads, head_dim 128, bf16; "
           f"device copy {bw:.0f} GB/s (read + written)\n")
@@ -196,21 +202,98 @@ def bench_gpu(args) -> None:
                 methods = {"SDPA bf16": (lambda kk=kk, vv=vv, q=q, kvh=kvh: _sdpa_bf16(q, kk, vv, kvh != 32),
                                          2 * kk.numel() * kk.element_size())}
                 for p, la in layers.items():
-                    assert triton_decode.path(q, la.plan()) == "triton", f"{p} is not served by the Triton decode"
-                    methods[f"fused {p}"] = (lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5),
-                                             layer_bytes(la))
+                    if triton_decode.path(q, la.plan()) != "triton":
+                        print(f"| 32/{kvh} | {batch} | {ctx} | fused {p} | not served by the Triton decode |")
+                        continue
                     ref = _sdpa_bf16(q, *(torch.cat([s[i].to(dt) for s in la.plan().decoded()], 2) for i in (1, 2)),
                                      kvh != 32)
-                    err = (methods[f"fused {p}"][0]().float() - ref.float()).norm() / ref.float().norm()
-                    assert err < 2e-2, f"{p}: fused decode differs from SDPA over its decoded K/V by {err:.2e}"
+                    for cfg in configs:
+                        name = f"fused {p}" + (f" {cfg}" if len(configs) > 1 else "")
+
+                        def fn(la=la, q=q, cfg=cfg):
+                            return _with_launch(cfg, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5))
+
+                        try:  # a failing shape or format is a row of its own, not the end of the table
+                            err = (fn().float() - ref.float()).norm() / ref.float().norm()
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"| 32/{kvh} | {batch} | {ctx} | {name} | FAILED: {type(exc).__name__}: "
+                                  f"{str(exc)[:300]} |")
+                            continue
+                        if not err < 2e-2:
+                            print(f"| 32/{kvh} | {batch} | {ctx} | {name} | WRONG: differs from SDPA over its "
+                                  f"decoded K/V by {err:.2e} |")
+                            continue
+                        methods[name] = (fn, layer_bytes(la))
+                if args.gpu_graphs:  # the same calls replayed from CUDA graphs: kernel time without the Python
+                    for m, (fn, nbytes) in list(methods.items()):
+                        try:
+                            methods[f"{m} (graph)"] = (_graphed(fn), nbytes)
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"| 32/{kvh} | {batch} | {ctx} | {m} (graph) | FAILED: {type(exc).__name__}: "
+                                  f"{str(exc)[:300]} |")
                 res = {m: _cuda_ms(fn, args.reps) for m, (fn, _) in methods.items()}
                 for m, t in res.items():
                     nbytes = methods[m][1]
                     gbs = nbytes / (t / 1e3) / 1e9
+                    base = res["SDPA bf16 (graph)" if m.endswith("(graph)") else "SDPA bf16"]
                     print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
-                          f"{gbs / bw:.0%} | {res['SDPA bf16'] / t:.2f}x |")
+                          f"{gbs / bw:.0%} | {base / t:.2f}x |")
                 del layers, kk, vv
                 torch.cuda.empty_cache()
+
+
+class LaunchShape(NamedTuple):
+    """The decode's launch shape (kernels/triton_decode.py module attributes), swept by ``--gpu-configs``."""
+
+    block_t: int
+    programs: int
+    warps: int
+
+    @classmethod
+    def parse(cls, text: str) -> LaunchShape:
+        try:
+            bt, programs, warps = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise SystemExit(f"--gpu-configs takes BLOCK_T:TARGET_PROGRAMS:NUM_WARPS (e.g. 32:1024:4), got {text!r}") from None
+        if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1:
+            raise SystemExit(f"--gpu-configs {text}: BLOCK_T a power of two >= 16, NUM_WARPS 1-16 (a power of two), "
+                             "TARGET_PROGRAMS >= 1")
+        return cls(bt, programs, warps)
+
+    @classmethod
+    def current(cls) -> LaunchShape:
+        from kvsqueeze.kernels import triton_decode as td
+
+        return cls(td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS)
+
+    def __str__(self) -> str:
+        return f"bt{self.block_t} p{self.programs} w{self.warps}"
+
+
+def _with_launch(cfg: LaunchShape, fn):
+    """Run ``fn`` with the decode's launch shape set to ``cfg`` (the module's own restored after)."""
+    from kvsqueeze.kernels import triton_decode as td
+
+    saved = LaunchShape.current()
+    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS = cfg
+    try:
+        return fn()
+    finally:
+        td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS = saved
+
+
+def _graphed(fn):
+    """``fn``'s launches captured once in a CUDA graph; returns its replay (warmed up on a side stream first, as
+    capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _cuda_ms(fn, reps: int) -> float:
@@ -229,7 +312,7 @@ def _cuda_ms(fn, reps: int) -> float:
 
 def bench_gpu_prefill(args) -> None:
     """A chunk of new tokens attending over a packed history (chunked prefill): the Triton prefill kernel vs the
-    block-by-block torch reference and vs fp16 SDPA over dense K/V (no mask, a lower bound)."""
+    block-by-block torch reference and vs bf16 SDPA over dense K/V (no mask, a lower bound)."""
     if not torch.cuda.is_available():
         print("\n## GPU prefill: no CUDA device; section skipped")
         return
@@ -240,27 +323,27 @@ def bench_gpu_prefill(args) -> None:
         return
     dev, n = torch.device("cuda"), args.prefill_tokens
     print(f"\n## GPU prefill: {torch.cuda.get_device_name()}, {n} new tokens over the context, 32 query heads, "
-          f"8 KV heads, head_dim 128, batch 1\n")
-    print("| context | method | ms/step | vs SDPA fp16 |")
+          f"8 KV heads, head_dim 128, batch 1, bf16\n")
+    print("| context | method | ms/step | vs SDPA bf16 |")
     print("|---|---|---|---|")
-    for ctx in args.gpu_contexts:
-        k = torch.randn(1, 8, ctx, 128, device=dev, dtype=torch.float16)
+    dt = torch.bfloat16
+    for ctx in args.prefill_contexts or args.gpu_contexts:
+        k = torch.randn(1, 8, ctx, 128, device=dev, dtype=dt)
         v = torch.randn_like(k)
-        q = torch.randn(1, 32, n, 128, device=dev, dtype=torch.float16)
-        nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=torch.float16), torch.randn(1, 8, n, 128, device=dev,
-                                                                                          dtype=torch.float16)
+        q = torch.randn(1, 32, n, 128, device=dev, dtype=dt)
+        nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=dt), torch.randn(1, 8, n, 128, device=dev, dtype=dt)
         kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
-        res = {"SDPA fp16": _cuda_ms(lambda q=q, kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(
-            q, kk, vv, enable_gqa=True), args.reps)}
+        res = {"SDPA bf16": _cuda_ms(lambda q=q, kk=kk, vv=vv: _sdpa_bf16(q, kk, vv, True), args.reps)}
         for p in ("kivi-4", "kivi-2"):
             la = build_layer(p, k, v, nk, nv)
             res[f"triton prefill {p}"] = _cuda_ms(
                 lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), args.reps)
-            res[f"torch reference {p}"] = _cuda_ms(
-                lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5))
+            if args.prefill_reference:
+                res[f"torch reference {p}"] = _cuda_ms(
+                    lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5))
             del la
         for m, t in res.items():
-            print(f"| {ctx} | {m} | {t:.3f} | {res['SDPA fp16'] / t:.2f}x |")
+            print(f"| {ctx} | {m} | {t:.3f} | {res['SDPA bf16'] / t:.2f}x |")
         del k, v, kk, vv
         torch.cuda.empty_cache()
 
@@ -283,7 +366,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-heads", type=int, nargs="+", default=[8, 32], help="GPU: KV heads (32 query heads)")
     p.add_argument("--gpu-batch", type=int, nargs="+", default=[1, 16], help="GPU: sequences per step")
     p.add_argument("--gpu-presets", nargs="+", default=["kivi-4", "kivi-2", "int8"], help="GPU: presets to time")
+    p.add_argument("--gpu-configs", nargs="+", type=LaunchShape.parse, default=None, metavar="BT:PROGRAMS:WARPS",
+                   help="GPU: decode launch shapes to time, a row each (default: kernels/triton_decode.py's own)")
+    p.add_argument("--gpu-graphs", action="store_true",
+                   help="GPU: also time every method replayed from a CUDA graph (its kernels without the Python)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
+    p.add_argument("--prefill-contexts", type=int, nargs="+", default=None,
+                   help="GPU prefill: history lengths (default: --gpu-contexts)")
+    p.add_argument("--no-prefill-reference", dest="prefill_reference", action="store_false",
+                   help="GPU prefill: leave out the block-by-block torch reference (slow and large at long chunks)")
     p.add_argument("--skip-cpu", action="store_true")
     p.add_argument("--evict-mib", type=int, default=0,
                    help="CPU: read this many MiB before every layer's call (untimed): K/V from memory, as in a model")

@@ -5,8 +5,11 @@
 # limit so one slow part cannot eat the lease, and a short summary is printed last.
 #   run from the repository root:  bash benchmarks/gpu_check.sh
 #   knobs (environment): PARTS ("tests attention e2e compiled": which parts, in that order), CONTEXTS ("4096 32768"),
-#                        E2E_CONTEXT (8192), E2E_BATCH (8), E2E_LAYERS (all),
-#                        E2E_CACHES ("hf-dynamic full kivi-4 kivi-2"), SHAPE (llama-3.1-8b)
+#                        PRESETS ("kivi-4 kivi-2 int8 fp8-e4m3"), CONFIGS (decode launch shapes BT:PROGRAMS:WARPS to
+#                        sweep; empty: the module's own), E2E_CONTEXT (32768), E2E_BATCH (8), E2E_CHUNK (prefill
+#                        chunk, 0 = one pass), E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
+#                        COMPILED_CONTEXT (8192), COMPILED_LAYERS (all), SHAPE (llama-3.1-8b), XDIST (8 test workers),
+#                        TESTS_TIMEOUT (240 s)
 #   the device's per-call limit is 600 s: a call that ran out can go on with e.g. PARTS="e2e compiled"
 set -u
 cd "$(dirname "$0")/.."
@@ -14,11 +17,17 @@ export PYTHONPATH=src HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 CONTEXTS=${CONTEXTS:-"4096 32768"}
-E2E_CONTEXT=${E2E_CONTEXT:-8192}
+PRESETS=${PRESETS:-"kivi-4 kivi-2 int8 fp8-e4m3"}
+CONFIGS=${CONFIGS:-}
+E2E_CONTEXT=${E2E_CONTEXT:-32768}
 E2E_BATCH=${E2E_BATCH:-8}
-E2E_CACHES=${E2E_CACHES:-"hf-dynamic full kivi-4 kivi-2"}
+E2E_CHUNK=${E2E_CHUNK:-0}
+E2E_CACHES=${E2E_CACHES:-"hf-dynamic kivi-4 kivi-2"}
+COMPILED_CONTEXT=${COMPILED_CONTEXT:-8192}
 SHAPE=${SHAPE:-llama-3.1-8b}
 LAYERS=${E2E_LAYERS:+--layers $E2E_LAYERS}
+CLAYERS=${COMPILED_LAYERS:+--layers $COMPILED_LAYERS}
+XDIST=${XDIST:-8}
 PARTS=${PARTS:-"tests attention e2e compiled"}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -28,7 +37,10 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 
 if part tests; then
 echo "== Triton kernel tests on the device"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_pool.py \
+# workers compile the kernels in parallel (pytest-xdist, where installed)
+python3 -c "import xdist" 2>/dev/null && WORKERS="-n $XDIST" || WORKERS=
+# shellcheck disable=SC2086
+timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS tests/kernels/test_triton_pool.py \
   tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
   tests/kernels/test_triton_pack.py tests/kernels/test_triton_static.py "tests/kernels/test_conformance.py" \
   -k "not cpu-" \
@@ -38,8 +50,9 @@ fi
 if part attention; then
 echo "== attention, one layer per step"
 # shellcheck disable=SC2086
-timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 50 --prefill-tokens 0 \
-  2>&1 | tee "$OUT/attention.md"
+timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 50 --gpu-kv-heads 8 \
+  --gpu-batch 1 16 --gpu-presets $PRESETS --gpu-graphs ${CONFIGS:+--gpu-configs $CONFIGS} \
+  --prefill-tokens 8192 --prefill-contexts 24576 --no-prefill-reference 2>&1 | tee "$OUT/attention.md"
 fi
 
 if part e2e; then
@@ -47,26 +60,27 @@ echo "== end to end: $SHAPE, random weights, context $E2E_CONTEXT x batch $E2E_B
 for kv in $E2E_CACHES; do
   # shellcheck disable=SC2086
   timeout 150 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv "$kv" \
-    --context "$E2E_CONTEXT" --batch "$E2E_BATCH" --decode-tokens 16 --json "$OUT/speed_$kv.json" 2>&1 \
+    --context "$E2E_CONTEXT" --batch "$E2E_BATCH" --prefill-chunk "$E2E_CHUNK" --decode-tokens 16 \
+    --json "$OUT/speed_$kv.json" 2>&1 \
     | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|error"
 done
 fi
 
 if part compiled; then
-echo "== batch 1, context $E2E_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 compiled as"
+echo "== batch 1, context $COMPILED_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 compiled as"
 echo "   StaticQuantizedCache (CUDA graphs over static_attend_graphed) and kivi-4 eager"
 for kv in "hf-static --compile" "kivi-4 --compile" kivi-4; do
   name=${kv// /}
   # shellcheck disable=SC2086
-  timeout 240 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv $kv \
-    --context "$E2E_CONTEXT" --batch 1 --decode-tokens 32 --json "$OUT/speed_b1_$name.json" 2>&1 \
+  timeout 240 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $CLAYERS --kv $kv \
+    --context "$COMPILED_CONTEXT" --batch 1 --decode-tokens 32 --json "$OUT/speed_b1_$name.json" 2>&1 \
     | tee "$OUT/speed_b1_$name.txt" | grep -E "decode|attention path|error"
 done
 fi
 
 echo "== summary"
 tail -n 3 "$OUT/tests.txt" 2>/dev/null
-grep -E "^\| 32/" "$OUT/attention.md" 2>/dev/null | grep -E "SDPA|kivi-4" | head -n 12
+grep -E "^\| 32/8 \| 16 \| 32768 " "$OUT/attention.md" 2>/dev/null | head -n 60
 for kv in $E2E_CACHES; do
   echo "$kv: $(grep -o 'decode [0-9.]* ms/token' "$OUT/speed_$kv.txt" 2>/dev/null)"
 done

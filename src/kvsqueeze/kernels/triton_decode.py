@@ -56,7 +56,8 @@ __all__ = ["attend", "available", "interpreting", "path", "supports"]
 MAX_QUERIES = 16
 CHUNK = 256  # the fewest stored tokens a program takes
 TARGET_PROGRAMS = 1024  # programs per launch worth having (a few waves of a GPU's SMs): longer chunks beyond it
-BLOCK_T = 32
+BLOCK_T = 32  # tokens a program unpacks and scores per loop iteration
+NUM_WARPS = 4  # warps per program of the partials launch
 
 if HAS_TRITON:
 
@@ -123,8 +124,10 @@ if HAS_TRITON:
     def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
                       mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr, RING: tl.constexpr,
                       RING0: tl.constexpr):
-        """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given); RING > 0: the
-        tokens are positions col0 .. col0 + n - 1 of a ring of RING slots, position p at slot (p - RING0) % RING."""
+        """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given) for the scaled
+        query rows q [RP, 1, D]; RING > 0: the tokens are positions col0 .. col0 + n - 1 of a ring of RING slots,
+        position p at slot (p - RING0) % RING.  (q comes in broadcast-ready: Triton 3.6's layout pass failed on a
+        q[:, None, :] inside each of the three calls' loops.)"""
         for t0 in range(0, n, BT):
             t = t0 + tl.arange(0, BT)
             t_ok = t < n
@@ -134,7 +137,7 @@ if HAS_TRITON:
                 row = t
             k = tl.load(k_ptr + b * ksb + h * ksh + row[:, None] * kst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            s = tl.sum(q * k[None, :, :], axis=2)
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             v = tl.load(v_ptr + b * vsb + h * vsh + row[:, None] * vst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
@@ -183,7 +186,7 @@ if HAS_TRITON:
             acc = acc * a[:, None] + ap * w[:, None]
             m = m_new
         q = tl.load(q_ptr + (bh * R + rows)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
-        q = q.to(tl.float32) * scaling
+        q = (q.to(tl.float32) * scaling)[:, None, :]
         lq = rows % LQ
         m, l_, acc = _exact_tokens(q, m, l_, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, n_s, col_s,
                                    b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0, 0)
@@ -294,7 +297,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False,
-            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr,
+            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
         )
         part0 += nsp
     if vs.rotated and total:  # the stored tokens' weighted values back to the original space

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from . import triton_decode
 from .triton_common import (
     HAS_TRITON,
     device_table,
@@ -21,7 +22,7 @@ from .triton_common import (
     table_width,
     unrotate_rows,
 )
-from .triton_decode import BLOCK_T, CHUNK, _chunk_tokens, exact_strides, partial_buffers
+from .triton_decode import _chunk_tokens, exact_strides, partial_buffers
 
 if HAS_TRITON:
     import triton
@@ -58,8 +59,8 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
     dev = q.device
     cnt = step_counts(count, layer.S, layer.W, layer.G)
     ks, vs = side(key_format), side(value_format)
-    bt = min(BLOCK_T, CHUNK)
-    ch = _chunk_tokens(layer.rows, b * hkv, CHUNK, bt)  # fixed by the layer's length, not the step's
+    bt = min(triton_decode.BLOCK_T, triton_decode.CHUNK)  # read at call time: benchmarks sweep them
+    ch = _chunk_tokens(layer.rows, b * hkv, triton_decode.CHUNK, bt)  # fixed by the layer's length, not the step's
     nsp = triton.cdiv(layer.rows, ch)
     m_buf, l_buf, acc_buf = partial_buffers(b * hkv, nsp, r, d, dev)
     rp = triton.next_power_of_2(r)
@@ -72,7 +73,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
         0, 0, layer.S, 0, nsp, float(scaling), cnt,
         CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=False, BLK=1, MASK=mkind, W=table_width(d), NDEV=True,
-        **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr,
+        **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, num_warps=triton_decode.NUM_WARPS,
     )
     if vs.rotated:
         acc_buf = unrotate_rows(acc_buf, v_tab)
