@@ -14,8 +14,9 @@ GPU section (only with CUDA and Triton): 32 query heads, head_dim 128, 8 (GQA) o
 batch 1 and 16, bf16: the fused Triton decode over kivi-4 / kivi-2 / int8 blocks (checked against SDPA over the
 decoded K/V first) vs SDPA over bf16, with bytes read, GB/s and their share of the device copy bandwidth.
 ``--gpu-graphs`` adds each method replayed from a CUDA graph (kernel time, no Python); ``--gpu-configs
-32:1024:4 64:4096:8`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
-TARGET_PROGRAMS : NUM_WARPS of kernels/triton_decode.py), a row each; the default is the module's own.
+32:1024:4 64:4096:8:512`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
+TARGET_PROGRAMS : NUM_WARPS [: CHUNK, the fewest tokens a program takes] of kernels/triton_decode.py), a row
+each; the default is the module's own.
 Then a GPU prefill section (``--prefill-tokens``, 0 skips; ``--prefill-contexts``, default the decode's): a chunk
 of new tokens over a packed history through the Triton prefill kernel, the block-by-block torch reference
 (``--no-prefill-reference`` leaves it out) and bf16 SDPA over the history unpacked (no mask: a lower bound).
@@ -248,26 +249,31 @@ class LaunchShape(NamedTuple):
     block_t: int
     programs: int
     warps: int
+    chunk: int
 
     @classmethod
     def parse(cls, text: str) -> LaunchShape:
+        from kvsqueeze.kernels import triton_decode as td
+
         try:
-            bt, programs, warps = (int(x) for x in text.split(":"))
+            bt, programs, warps, *chunk = (int(x) for x in text.split(":"))
+            (chunk,) = chunk or [td.CHUNK]
         except ValueError:
-            raise SystemExit(f"--gpu-configs takes BLOCK_T:TARGET_PROGRAMS:NUM_WARPS (e.g. 32:1024:4), got {text!r}") from None
-        if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1:
+            raise SystemExit("--gpu-configs takes BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK] (e.g. 32:1024:4), got "
+                             f"{text!r}") from None
+        if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1 or chunk < bt:
             raise SystemExit(f"--gpu-configs {text}: BLOCK_T a power of two >= 16, NUM_WARPS 1-16 (a power of two), "
-                             "TARGET_PROGRAMS >= 1")
-        return cls(bt, programs, warps)
+                             "TARGET_PROGRAMS >= 1, CHUNK >= BLOCK_T")
+        return cls(bt, programs, warps, chunk)
 
     @classmethod
     def current(cls) -> LaunchShape:
         from kvsqueeze.kernels import triton_decode as td
 
-        return cls(td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS)
+        return cls(td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK)
 
     def __str__(self) -> str:
-        return f"bt{self.block_t} p{self.programs} w{self.warps}"
+        return f"bt{self.block_t} p{self.programs} w{self.warps} c{self.chunk}"
 
 
 def _with_launch(cfg: LaunchShape, fn):
@@ -275,11 +281,11 @@ def _with_launch(cfg: LaunchShape, fn):
     from kvsqueeze.kernels import triton_decode as td
 
     saved = LaunchShape.current()
-    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS = cfg
+    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = cfg
     try:
         return fn()
     finally:
-        td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS = saved
+        td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = saved
 
 
 def _graphed(fn):

@@ -43,8 +43,9 @@ python3 -c "import xdist" 2>/dev/null && WORKERS="-n $XDIST" || WORKERS=
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS tests/kernels/test_triton_pool.py \
   tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
   tests/kernels/test_triton_pack.py tests/kernels/test_triton_static.py "tests/kernels/test_conformance.py" \
-  -k "not cpu-" \
-  2>&1 | tail -n 15 | tee "$OUT/tests.txt"
+  -k "not cpu-" --tb=short -rf > "$OUT/tests_full.txt" 2>&1
+grep -E "^FAILED|^ERROR" "$OUT/tests_full.txt" | cut -c1-300 | head -n 60
+tail -n 3 "$OUT/tests_full.txt" | tee "$OUT/tests.txt"
 fi
 
 if part attention; then

@@ -7,6 +7,8 @@ launch replaced by a compilation for ``--arch`` (PTX and cubin through the ptxas
 
     python benchmarks/triton_compile_check.py            # every format x dtype x step kind, sm_90
     python benchmarks/triton_compile_check.py --quick    # one format per kernel (the test suite's run)
+    python benchmarks/triton_compile_check.py --quick --resources --block-t 64 --num-warps 8
+                                   # ptxas's registers and spills per kernel (most of any variant), at a launch shape
 
 Exit status 1 when any compilation failed (the first error of each kernel is printed).
 """
@@ -26,9 +28,12 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: the point is the compiler, not the interpreter")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import (
+    BaseBackend,  # noqa: E402
+    GPUTarget,  # noqa: E402
+)
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
           torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
@@ -38,33 +43,60 @@ _TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", 
 class Compiler:
     """Stands in for JITFunction.run: binds a launch's arguments to the kernel's parameters, compiles."""
 
-    def __init__(self, target: GPUTarget):
+    def __init__(self, target: GPUTarget, resources: bool = False):
         self.target = target
+        self.resources = resources
         self.results: list[tuple[str, str | None]] = []  # (kernel, None or the error)
+        self.usage: dict[str, tuple[int, int]] = {}  # kernel -> most (registers, spill bytes) over its variants
 
     def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        """Specialise the arguments as the JIT does at a launch (integers equal to 1 become constants, pointers and
+        multiples of 16 are marked divisible by 16: what lets the compiler vectorise loads), then compile."""
         values = dict(zip(fn.arg_names, args)) | kwargs
-        signature, constants = {}, {}
-        for p in fn.params:
+        signature, constants, attrs = {}, {}, {}
+        for i, p in enumerate(fn.params):
             v = values.get(p.name, p.default)
             if p.is_constexpr or v is None:
                 signature[p.name], constants[p.name] = "constexpr", v
-            elif isinstance(v, torch.Tensor):
-                signature[p.name] = "*" + _TYPES[v.dtype]
-            elif isinstance(v, bool):
-                signature[p.name] = "i1"
-            elif isinstance(v, int):
-                signature[p.name] = "i64" if abs(v) >= 2**31 else "i32"
-            elif isinstance(v, float):
-                signature[p.name] = "fp32"
+                continue
+            if isinstance(v, torch.Tensor) and v.dtype not in _TYPES:
+                raise TypeError(f"{fn.__name__}: argument {p.name} of dtype {v.dtype}")
+            kind, key = native_specialize_impl(BaseBackend, v, False, True, True)
+            if kind == "constexpr":
+                signature[p.name], constants[p.name] = "constexpr", key
             else:
-                raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__}")
+                signature[p.name] = kind
+                if key and "D" in key:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
         options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         try:
-            triton.compile(ASTSource(fn, signature, constants), target=self.target, options=options)
+            compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=self.target, options=options)
             self.results.append((fn.__name__, None))
+            if self.resources:
+                regs, spills = ptxas_usage(compiled.asm["ptx"], self.target.arch)
+                old = self.usage.get(fn.__name__, (0, 0))
+                self.usage[fn.__name__] = (max(old[0], regs), max(old[1], spills))
         except Exception as exc:  # noqa: BLE001  (every failure is reported, none stops the sweep)
             self.results.append((fn.__name__, f"{type(exc).__name__}: {exc}"))
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) that the ptxas Triton ships reports for one kernel's PTX."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(arch).path
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = max((int(x) for x in re.findall(r"Used (\d+) registers", out)), default=0)
+    spills = max((int(x) for x in re.findall(r"(\d+) bytes spill stores", out)), default=0)
+    return regs, spills
 
 
 def drive(quick: bool) -> None:
@@ -106,8 +138,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10 (90: H100/H200)")
     p.add_argument("--quick", action="store_true", help="one format per kernel")
+    p.add_argument("--resources", action="store_true", help="also print ptxas's registers and spills per kernel")
+    p.add_argument("--block-t", type=int, default=None, help="the decode's BLOCK_T (default: the module's)")
+    p.add_argument("--num-warps", type=int, default=None, help="the decode's NUM_WARPS (default: the module's)")
     args = p.parse_args(argv)
-    compiler = Compiler(GPUTarget("cuda", args.arch, 32))
+    from kvsqueeze.kernels import triton_decode
+
+    triton_decode.BLOCK_T = args.block_t or triton_decode.BLOCK_T
+    triton_decode.NUM_WARPS = args.num_warps or triton_decode.NUM_WARPS
+    compiler = Compiler(GPUTarget("cuda", args.arch, 32), args.resources)
     original = JITFunction.run
     JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
     try:
@@ -117,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     counts = Counter((name, err is None) for name, err in compiler.results)
     print(f"triton {triton.__version__}, target sm_{args.arch}:")
     for name in sorted({n for n, _ in counts}):
-        print(f"  {name}: {counts[(name, True)]} compiled, {counts[(name, False)]} failed")
+        usage = compiler.usage.get(name)
+        extra = f" (at most {usage[0]} registers, {usage[1]} bytes of spill stores)" if usage else ""
+        print(f"  {name}: {counts[(name, True)]} compiled, {counts[(name, False)]} failed{extra}")
     first = {}
     for name, err in compiler.results:
         if err is not None:

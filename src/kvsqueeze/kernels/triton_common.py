@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
     HAS_TRITON = False
 
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MIN_DOT = 16  # tl.dot's least dimension: query tiles, token tiles and head_dim are at least this
 FP8_KINDS = {"e4m3": 3, "e5m2": 4}
 
 
@@ -60,12 +61,30 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def dot_kind(dtype: torch.dtype) -> int:
+    """The DOT constant of the kernels for queries of ``dtype``: 1 / 2 fp16 / bf16 operands, 0 float32 (also
+    under the interpreter, whose 16-bit dot gives wrong results)."""
+    return 0 if interpreting() else {torch.float16: 1, torch.bfloat16: 2}.get(dtype, 0)
+
+
 def available() -> bool:
     """Triton importable and a CUDA device present (or the Triton interpreter switched on)."""
     return HAS_TRITON and (torch.cuda.is_available() or interpreting())
 
 
 if HAS_TRITON:
+
+    @triton.jit
+    def dot(a, b, DOT: tl.constexpr):
+        """a [M, K] @ b [K, N] in float32 on the matrix units: operands in fp16 / bf16 (DOT 1 / 2, the model's
+        dtype: the tensor cores' rate) or float32 without TF32 (DOT 0: float32 models, and the interpreter, whose
+        16-bit dot is wrong)."""
+        if DOT == 1:
+            return tl.dot(a.to(tl.float16), b.to(tl.float16))
+        elif DOT == 2:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        else:
+            return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
     def _affine(s, z, BITS: tl.constexpr, SYM: tl.constexpr):

@@ -5,8 +5,9 @@ Imported lazily by the adapter's backend switch; ``import kvsqueeze`` never need
 
 Decode (``attend``, split-K as in flash-decoding): programs own a (batch * kv head, chunk of tokens) pair (chunks
 of at least ``CHUNK`` tokens, longer where batch x kv heads already give ``TARGET_PROGRAMS`` programs); a program unpacks ``BLOCK_T`` tokens of codes at a time in registers (shift and mask per channel), applies
-the group parameters there, scores all query rows of its KV head (GQA rows share the loads), keeps an online
-softmax and writes its partial (max, sum, weighted values).  Where the cache keeps its blocks in a pool
+the group parameters there, scores all query rows of its KV head (GQA rows share the loads; the rows padded to
+a tile of at least 16, scores and weighted values as ``tl.dot`` products on the matrix units, operands in the
+query's dtype), keeps an online softmax and writes its partial (max, sum, weighted values).  Where the cache keeps its blocks in a pool
 (cache/pool.py: every device cache) one launch walks the whole stored history through the block table; otherwise
 one launch per stored block.  A finishing launch, one program per (batch, kv head), merges the partials exactly
 by log-sum-exp, attends to the full-precision segments itself (sinks, window, the step's new tokens: a few hundred
@@ -33,9 +34,11 @@ from ..cache.plan import EXACT, PoolRun, SegmentPlan
 from . import reference
 from .triton_common import (
     HAS_TRITON,
+    MIN_DOT,
     Side,
     available,
     device_table,
+    dot_kind,
     interpreting,
     mask_args,
     rotate_query,
@@ -49,7 +52,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import load_tokens, masked_scores
+    from .triton_common import dot, load_tokens, masked_scores
 
 __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
@@ -62,13 +65,18 @@ NUM_WARPS = 4  # warps per program of the partials launch
 if HAS_TRITON:
 
     @triton.jit
-    def _online(m, l_, acc, s, v):
+    def _scores(q, k, DOT: tl.constexpr):
+        """Scores [RP, BT] of the (scaled) query rows q [RP, D] against tokens k [BT, D]."""
+        return dot(q, tl.trans(k), DOT)
+
+    @triton.jit
+    def _online(m, l_, acc, s, v, DOT: tl.constexpr):
         """One tile of the online softmax: (max, sum, weighted values) updated by scores s [RP, BT] and values v."""
         m_new = tl.maximum(m, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zero
         p = tl.exp(s - safe[:, None])
         corr = tl.exp(m - safe)
-        return m_new, l_ * corr + tl.sum(p, axis=1), acc * corr[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return m_new, l_ * corr + tl.sum(p, axis=1), acc * corr[:, None] + dot(p, v, DOT)
 
     @triton.jit
     def _partials_kernel(
@@ -80,7 +88,7 @@ if HAS_TRITON:
         first, n_tok, col0, part0, n_parts, scaling, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
         CH, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
-        W: tl.constexpr, NDEV: tl.constexpr,
+        W: tl.constexpr, NDEV: tl.constexpr, DOT: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
@@ -110,11 +118,11 @@ if HAS_TRITON:
             t_ok = t < n_tok
             k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
                             kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D, W)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [RP, BT]
+            s = _scores(q, k, DOT)  # [RP, BT]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
                             vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D, W)
-            m, l_, acc = _online(m, l_, acc, s, v)
+            m, l_, acc = _online(m, l_, acc, s, v, DOT)
         part = (bh * n_parts + part0 + chunk) * R + rows
         tl.store(m_ptr + part, m, mask=r_ok)
         tl.store(l_ptr + part, l_, mask=r_ok)
@@ -123,11 +131,10 @@ if HAS_TRITON:
     @triton.jit
     def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
                       mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr, BT: tl.constexpr, RING: tl.constexpr,
-                      RING0: tl.constexpr):
+                      RING0: tl.constexpr, DOT: tl.constexpr):
         """The online softmax continued over n full-precision tokens [B, H, n, D] (strides given) for the scaled
-        query rows q [RP, 1, D]; RING > 0: the tokens are positions col0 .. col0 + n - 1 of a ring of RING slots,
-        position p at slot (p - RING0) % RING.  (q comes in broadcast-ready: Triton 3.6's layout pass failed on a
-        q[:, None, :] inside each of the three calls' loops.)"""
+        query rows q [RP, D]; RING > 0: the tokens are positions col0 .. col0 + n - 1 of a ring of RING slots,
+        position p at slot (p - RING0) % RING."""
         for t0 in range(0, n, BT):
             t = t0 + tl.arange(0, BT)
             t_ok = t < n
@@ -137,11 +144,11 @@ if HAS_TRITON:
                 row = t
             k = tl.load(k_ptr + b * ksb + h * ksh + row[:, None] * kst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
-            s = tl.sum(q * k[None, :, :], axis=2)
+            s = _scores(q, k, DOT)
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             v = tl.load(v_ptr + b * vsb + h * vsh + row[:, None] * vst + ch[None, :], mask=t_ok[:, None],
                         other=0.0).to(tl.float32)
-            m, l_, acc = _online(m, l_, acc, s, v)
+            m, l_, acc = _online(m, l_, acc, s, v, DOT)
         return m, l_, acc
 
     @triton.jit
@@ -152,6 +159,7 @@ if HAS_TRITON:
         n_s, n_w, n_n, col_s, col_w, col_n, n_parts, scaling, m_sb, m_sq, m_sc, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
         BT: tl.constexpr, MASK: tl.constexpr, NEW_MASK: tl.constexpr, RING: tl.constexpr, RING0: tl.constexpr,
+        DOT: tl.constexpr,
     ):
         """One (sequence, kv head): the stored tokens' partials merged exactly (log-sum-exp), the full-precision
         segments (sinks, window, the step's new tokens: n_s, n_w, n_n tokens, any of them 0) attended here, and the
@@ -186,14 +194,14 @@ if HAS_TRITON:
             acc = acc * a[:, None] + ap * w[:, None]
             m = m_new
         q = tl.load(q_ptr + (bh * R + rows)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
-        q = (q.to(tl.float32) * scaling)[:, None, :]
+        q = q.to(tl.float32) * scaling
         lq = rows % LQ
         m, l_, acc = _exact_tokens(q, m, l_, acc, sk_ptr, sv_ptr, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, n_s, col_s,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0, 0)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, 0, 0, DOT)
         m, l_, acc = _exact_tokens(q, m, l_, acc, wk_ptr, wv_ptr, wk_b, wk_h, wk_t, wv_b, wv_h, wv_t, n_w, col_w,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, RING, RING0)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, MASK, BT, RING, RING0, DOT)
         m, l_, acc = _exact_tokens(q, m, l_, acc, nk_ptr, nv_ptr, nk_b, nk_h, nk_t, nv_b, nv_h, nv_t, n_n, col_n,
-                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT, RING, RING0)
+                                   b, h, lq, r_ok, ch, mask_ptr, m_sb, m_sq, m_sc, NEW_MASK, BT, RING, RING0, DOT)
         out = acc / tl.maximum(l_, 1e-30)[:, None]
         tl.store(out_ptr + (bh * R + rows)[:, None] * D + ch[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=r_ok[:, None])
@@ -226,6 +234,12 @@ def exact_strides(tensors, unused: torch.Tensor) -> list[int]:
     return [st for t in tensors for st in ((0, 0, 0) if t is unused else (t.stride(0), t.stride(1), t.stride(2)))]
 
 
+def query_rows(r: int) -> int:
+    """Rows of a program's query tile for ``r`` query rows per kv head: a power of two, at least 16 (the least M
+    of tl.dot; the padding rows are masked and cost the matrix units next to nothing)."""
+    return max(MIN_DOT, triton.next_power_of_2(r))
+
+
 def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
     """Tokens per program of a split-K launch over n tokens: as many chunks as give the GPU TARGET_PROGRAMS
     programs, each at least ``least`` tokens, a multiple of ``bt`` (fewer, longer chunks keep the partials, written
@@ -244,7 +258,7 @@ def supports(plan: SegmentPlan) -> bool:
 def path(query: torch.Tensor, plan: SegmentPlan) -> str:
     """The path :func:`attend` takes for this step, for reports: ``triton``, ``triton-prefill`` or ``reference``."""
     d = query.shape[-1]
-    if not available() or not supports(plan) or d & (d - 1) or plan.new is None:
+    if not available() or not supports(plan) or d & (d - 1) or d < MIN_DOT or plan.new is None:
         return "reference"
     if query.shape[2] > MAX_QUERIES:  # prefill on top of a cache: query tiles
         from .triton_prefill import supports_query
@@ -284,7 +298,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     total = sum(splits)
     dev = query.device
     m_buf, l_buf, acc_buf = partial_buffers(b * hkv, total, r, d, dev)
-    rp = triton.next_power_of_2(r)
+    rp, dot = query_rows(r), dot_kind(q.dtype)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
@@ -296,7 +310,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
-            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False,
+            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
             **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
         )
         part0 += nsp
@@ -318,6 +332,6 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     _finish_kernel[(b * hkv,)](
         q, m_buf, l_buf, acc_buf, out, mask_t, *args, *strides, *(n for n, _ in counts), *(c for _, c in counts),
         total, float(scaling), *mst, m_buf, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
-        RING=0, RING0=0,
+        RING=0, RING0=0, DOT=dot,
     )
     return out

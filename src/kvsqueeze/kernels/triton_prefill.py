@@ -10,8 +10,9 @@ that the next segment's launch continues from.  Launches run in token order on o
 same log-sum-exp merge as the decode path, and no score matrix or dequantized history is ever materialised.
 
 Masks are read in place: a bool or additive float mask [B|1, 1, Lq, kv_len], or (mask None) causal among the
-new tokens only.  ``DOT_PRECISION`` is "ieee" (float32 products, matching the reference to ~1e-6); "tf32" is
-faster on tensor cores at ~1e-3 relative error.
+new tokens only.  Products run on the matrix units in the query's dtype (fp16 / bf16 operands, float32
+accumulation; the stored tokens dequantized in float32 and rounded once to that dtype) or, for float32 queries,
+in float32 without TF32 (triton_common.dot).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from ..cache.plan import EXACT, SegmentPlan
 from .triton_common import (
     FP_SIDE,
     HAS_TRITON,
+    MIN_DOT,
     device_table,
+    dot_kind,
     mask_args,
     rotate_query,
     side,
@@ -36,12 +39,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import load_tokens, masked_scores
+    from .triton_common import dot, load_tokens, masked_scores
 
 BLOCK_M = 32  # query rows per program
 BLOCK_N = 32  # keys per tile
-DOT_PRECISION = "ieee"
-MIN_HEAD_DIM = 16  # tl.dot needs every dim >= 16
 
 if HAS_TRITON:
 
@@ -54,7 +55,7 @@ if HAS_TRITON:
         msb, msr, msc,
         first, n_tok, col0, kpos0, qpos0, R, LQ,
         HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-        PREC: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, W: tl.constexpr,
+        DOT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, W: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
@@ -79,7 +80,7 @@ if HAS_TRITON:
             k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
                             kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI,
                             D, W)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)  # [BM, BN]
+            s = dot(q, tl.trans(k), DOT)  # [BM, BN]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t_idx, col0, kpos0 - qpos0, mask_ptr, msb, msr,
                               msc, MASK)
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -90,7 +91,7 @@ if HAS_TRITON:
                             vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI,
                             D, W)
             l_ = l_ * corr + tl.sum(p, axis=1)
-            acc = acc * corr[:, None] + tl.dot(p, v, input_precision=PREC)
+            acc = acc * corr[:, None] + dot(p, v, DOT)
             m = m_new
         tl.store(m_ptr + st, m, mask=r_ok)
         tl.store(l_ptr + st, l_, mask=r_ok)
@@ -98,7 +99,7 @@ if HAS_TRITON:
 
 
 def supports_query(d: int) -> bool:
-    return d >= MIN_HEAD_DIM and not d & (d - 1)
+    return d >= MIN_DOT and not d & (d - 1)
 
 
 def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float
@@ -132,7 +133,7 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
             q_rot if stored else q, m_state, l_state, acc, mask_arg, m_state if pool is None else pool.table,
             *kt, *vt, k_tab if stored and ks.rotated else m_state, v_tab if stored and vs.rotated else m_state,
             *kst, *vst, *mst, 0 if pool is None else pool.first, n, start - first, start, plan.query_start, r, lq,
-            HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, PREC=DOT_PRECISION, PAGED=pool is not None,
+            HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, DOT=dot_kind(query.dtype), PAGED=pool is not None,
             BLK=1 if pool is None else pool.block_tokens, W=table_width(d),
             **k_side.consts("K"), KPR=kpr, **v_side.consts("V"), VPR=vpr, num_warps=warps,
         )

@@ -31,7 +31,8 @@ if HAS_TRITON:
 
 
 def supports(key_format, value_format, head_dim: int) -> bool:
-    return (side(key_format) is not None and side(value_format) is not None and not head_dim & (head_dim - 1))
+    return (side(key_format) is not None and side(value_format) is not None and not head_dim & (head_dim - 1)
+            and head_dim >= triton_decode.MIN_DOT)
 
 
 def step_counts(count: torch.Tensor, sinks: int, window: int, group: int) -> torch.Tensor:
@@ -63,7 +64,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
     ch = _chunk_tokens(layer.rows, b * hkv, triton_decode.CHUNK, bt)  # fixed by the layer's length, not the step's
     nsp = triton.cdiv(layer.rows, ch)
     m_buf, l_buf, acc_buf = partial_buffers(b * hkv, nsp, r, d, dev)
-    rp = triton.next_power_of_2(r)
+    rp, dot = triton_decode.query_rows(r), triton_decode.dot_kind(q.dtype)
     mask_t, mst, mkind = mask_args(mask, q)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q
@@ -73,6 +74,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
         0, 0, layer.S, 0, nsp, float(scaling), cnt,
         CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=False, BLK=1, MASK=mkind, W=table_width(d), NDEV=True,
+        DOT=dot,
         **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, num_warps=triton_decode.NUM_WARPS,
     )
     if vs.rotated:
@@ -84,5 +86,6 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         q, m_buf, l_buf, acc_buf, out, mask_t, *sinks, ring_k, ring_v, ring_k, ring_v, *strides,
         0, 0, 0, 0, 0, 0, nsp, float(scaling), *mst, cnt,
         R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=mkind, RING=ring_k.shape[2], RING0=layer.S,
+        DOT=dot,
     )
     return out
