@@ -77,7 +77,11 @@ class Compiler:
                 old = self.usage.get(fn.__name__, (0, 0))
                 self.usage[fn.__name__] = (max(old[0], regs), max(old[1], spills))
         except Exception as exc:  # noqa: BLE001  (every failure is reported, none stops the sweep)
-            self.results.append((fn.__name__, f"{type(exc).__name__}: {exc}"))
+            chain = [exc]  # a compilation error's reason is in the innermost call's error
+            while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+                chain.append(chain[-1].__cause__ or chain[-1].__context__)
+            self.results.append((fn.__name__, f"{type(exc).__name__}: {exc}\n... innermost: "
+                                              f"{type(chain[-1]).__name__}: {str(chain[-1])[-1500:]}"))
 
 
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:

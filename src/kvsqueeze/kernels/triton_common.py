@@ -126,6 +126,38 @@ if HAS_TRITON:
         return (byte >> ((i % PER) * BITS)[None, :]) & ((1 << BITS) - 1)
 
     @triton.jit
+    def _row_codes(x_ptr, xo, t_ok, BITS: tl.constexpr, D: tl.constexpr):
+        """int32 codes [BT, D] of whole rows at ``xo`` for BITS in 1, 2, 4, 8: each row's D * BITS / 8 bytes read
+        once, contiguous (vector loads), and split in registers: byte j holds channels PER j .. PER j + PER - 1,
+        the first in its lowest bits (pack_bits), put back in channel order by joins (no gather per channel)."""
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D // PER
+        byte = tl.load(x_ptr + xo[:, None] + tl.arange(0, NB)[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+        M: tl.constexpr = (1 << BITS) - 1
+        # one return at the end: Triton compiles the code after a constexpr-guarded early return too
+        if PER == 1:
+            codes = byte
+        elif PER == 2:
+            codes = tl.reshape(tl.join(byte & M, byte >> 4), (xo.shape[0], D))
+        elif PER == 4:  # join's new axis is the last: [j, a, b] holds channel 4 j + 2 a + b
+            codes = tl.reshape(tl.join(tl.join(byte & M, (byte >> 4) & M), tl.join((byte >> 2) & M, byte >> 6)),
+                               (xo.shape[0], D))
+        else:  # [j, a, b, c] holds channel 8 j + 4 a + 2 b + c
+            codes = tl.reshape(
+                tl.join(tl.join(tl.join(byte & M, (byte >> 4) & M), tl.join((byte >> 2) & M, (byte >> 6) & M)),
+                        tl.join(tl.join((byte >> 1) & M, (byte >> 5) & M), tl.join((byte >> 3) & M, byte >> 7))),
+                (xo.shape[0], D))
+        return codes
+
+    @triton.jit
+    def _group_params(p_ptr, po, t_ok, G: tl.constexpr, D: tl.constexpr):
+        """[BT, D] float32 parameters of per-token groups of G channels (a power of two dividing D): each token's
+        D / G values read once and repeated over their groups in registers."""
+        NG: tl.constexpr = D // G
+        p = tl.load(p_ptr + po[:, None] + tl.arange(0, NG)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        return tl.reshape(tl.broadcast_to(p[:, :, None], (po.shape[0], NG, G)), (po.shape[0], D))
+
+    @triton.jit
     def load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch,
                   KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, NHI: tl.constexpr,
                   D: tl.constexpr, W: tl.constexpr):
@@ -157,19 +189,73 @@ if HAS_TRITON:
             sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
             mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             return lv * sc[:, None] + mean
-        code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
-        if KIND == 1:
-            p_off = po[:, None] + (ch // G)[None, :]
+        if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+            code = _row_codes(x_ptr, xo, t_ok, BITS, D).to(tl.float32)
+        else:  # 3, 5, 6, 7 bits: codes may straddle bytes
+            code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
+        if KIND == 1 and D % G == 0 and (G & (G - 1)) == 0:
+            s = _group_params(s_ptr, po, t_ok, G, D)
+            if SYM:
+                z = s
+            else:
+                z = _group_params(z_ptr, po, t_ok, G, D)
         else:
-            p_off = po[:, None] + ch[None, :]
-        s = tl.load(s_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        if SYM:
-            z = s
-        else:
-            z = tl.load(z_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            if KIND == 1:
+                p_off = po[:, None] + (ch // G)[None, :]
+            else:
+                p_off = po[:, None] + ch[None, :]
+            s = tl.load(s_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            if SYM:
+                z = s
+            else:
+                z = tl.load(z_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
         a, c = _affine(s, z, BITS, SYM)
         return code * a + c
 
+
+    @triton.jit
+    def load_folded(x_ptr, s_ptr, z_ptr, tab_ptr, t, t_ok, first, table_ptr, b, h,
+                    x_ss, x_sb, x_sh, x_sr, p_ss, p_sb, p_sh, p_sr, ch,
+                    PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr, KIND: tl.constexpr,
+                    BITS: tl.constexpr, SYM: tl.constexpr, D: tl.constexpr):
+        """One side's tokens ``t`` as (raw [BT, D] float32, a, c) with value = raw * a + c, for the kernels to fold
+        a and c into their products instead of dequantizing every element (see ``folds``): KIND 0 the values
+        (a, c unused); 3 / 4 the fp8 values, a [BT] the token's scale; 1 (one group per token) the codes, a and c
+        [BT]; 2 (every valid token of the tile in one parameter row) the codes, a and c [D]."""
+        xo = token_rows(t, t_ok, first, table_ptr, b, h, x_ss, x_sb, x_sh, x_sr, PAGED, BLK, 1)
+        po = token_rows(t, t_ok, first, table_ptr, b, h, p_ss, p_sb, p_sh, p_sr, PAGED, BLK, PER_ROW)
+        if KIND == 0:
+            raw = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            a = 0.0
+            c = 0.0
+        elif KIND == 3 or KIND == 4:
+            byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
+            if KIND == 3:
+                raw = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                raw = byte.to(tl.float8e5, bitcast=True).to(tl.float32)
+            a = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
+            c = 0.0
+        else:
+            if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+                raw = _row_codes(x_ptr, xo, t_ok, BITS, D).to(tl.float32)
+            else:
+                raw = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
+            if KIND == 1:
+                s = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
+                if SYM:
+                    z = s
+                else:
+                    z = tl.load(z_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
+            else:  # the row of the tile's valid tokens (any row when none is valid: its values go unused)
+                po0 = tl.max(tl.where(t_ok, po, 0), axis=0)
+                s = tl.load(s_ptr + po0 + ch).to(tl.float32)
+                if SYM:
+                    z = s
+                else:
+                    z = tl.load(z_ptr + po0 + ch).to(tl.float32)
+            a, c = _affine(s, z, BITS, SYM)
+        return raw, a, c
 
     @triton.jit
     def load_tokens(x_ptr, s_ptr, z_ptr, tab_ptr, t, t_ok, first, table_ptr, b, h,
@@ -201,6 +287,18 @@ if HAS_TRITON:
         elif MASK == 3:
             valid = valid & ((kq + t)[None, :] <= lq[:, None])
         return tl.where(valid, s, float("-inf"))
+
+
+def folds(sd: Side, d: int, per_row: int, bt: int, aligned: bool) -> bool:
+    """Whether the kernels read a side through ``load_folded`` (parameters folded into the products) rather than
+    dequantizing every element: full precision, fp8, integer codes with one group per token, or per-channel
+    groups whose parameter rows (``per_row`` tokens each) each cover whole tiles of ``bt`` tokens (``aligned``: the
+    launch's tiles start on a row's first token)."""
+    if sd.kind in (0, 3, 4):
+        return True
+    if sd.kind == 1:
+        return sd.group == d
+    return sd.kind == 2 and aligned and per_row % bt == 0
 
 
 def side(fmt: StorageFormat | None) -> Side | None:

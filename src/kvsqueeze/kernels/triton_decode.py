@@ -26,6 +26,7 @@ residual sketch take the reference, and ``path`` says so.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -39,6 +40,7 @@ from .triton_common import (
     available,
     device_table,
     dot_kind,
+    folds,
     interpreting,
     mask_args,
     rotate_query,
@@ -52,7 +54,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import dot, load_tokens, masked_scores
+    from .triton_common import dot, load_folded, load_tokens, masked_scores
 
 __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
@@ -70,13 +72,46 @@ if HAS_TRITON:
         return dot(q, tl.trans(k), DOT)
 
     @triton.jit
-    def _online(m, l_, acc, s, v, DOT: tl.constexpr):
-        """One tile of the online softmax: (max, sum, weighted values) updated by scores s [RP, BT] and values v."""
+    def _softmax_step(m, l_, acc, s):
+        """One tile of the online softmax: the new max and sum, the weighted values so far rescaled, and the
+        tile's weights p [RP, BT] (their product with the tile's values is the caller's)."""
         m_new = tl.maximum(m, tl.max(s, axis=1))
         safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay zero
         p = tl.exp(s - safe[:, None])
         corr = tl.exp(m - safe)
-        return m_new, l_ * corr + tl.sum(p, axis=1), acc * corr[:, None] + dot(p, v, DOT)
+        return m_new, l_ * corr + tl.sum(p, axis=1), acc * corr[:, None], p
+
+    @triton.jit
+    def _online(m, l_, acc, s, v, DOT: tl.constexpr):
+        """One tile of the online softmax over scores s [RP, BT] and values v [BT, D]."""
+        m, l_, acc, p = _softmax_step(m, l_, acc, s)
+        return m, l_, acc + dot(p, v, DOT)
+
+    @triton.jit
+    def _folded_scores(q, qsum, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr):
+        """Scores of q [RP, D] against keys raw * a + c (load_folded) without dequantizing them."""
+        if KIND == 2:  # per-channel parameters: into the query
+            s = dot(q * a[None, :], tl.trans(raw), DOT) + tl.sum(q * c[None, :], axis=1)[:, None]
+        elif KIND == 1:  # per-token parameters: onto the scores
+            s = dot(q, tl.trans(raw), DOT) * a[None, :] + qsum[:, None] * c[None, :]
+        elif KIND == 0:
+            s = dot(q, tl.trans(raw), DOT)
+        else:
+            s = dot(q, tl.trans(raw), DOT) * a[None, :]
+        return s
+
+    @triton.jit
+    def _folded_values(p, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr):
+        """Weighted values p [RP, BT] @ (raw * a + c) without dequantizing them."""
+        if KIND == 2:  # per-channel parameters: onto the product
+            pv = dot(p, raw, DOT) * a[None, :] + tl.sum(p, axis=1)[:, None] * c[None, :]
+        elif KIND == 1:  # per-token parameters: into the weights
+            pv = dot(p * a[None, :], raw, DOT) + tl.sum(p * c[None, :], axis=1)[:, None]
+        elif KIND == 0:
+            pv = dot(p, raw, DOT)
+        else:
+            pv = dot(p * a[None, :], raw, DOT)
+        return pv
 
     @triton.jit
     def _partials_kernel(
@@ -88,7 +123,7 @@ if HAS_TRITON:
         first, n_tok, col0, part0, n_parts, scaling, cnt_ptr,
         R: tl.constexpr, RP: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, HKV: tl.constexpr,
         CH, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr, MASK: tl.constexpr,
-        W: tl.constexpr, NDEV: tl.constexpr, DOT: tl.constexpr,
+        W: tl.constexpr, NDEV: tl.constexpr, DOT: tl.constexpr, KFOLD: tl.constexpr, VFOLD: tl.constexpr,
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
@@ -97,7 +132,8 @@ if HAS_TRITON:
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
         stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
         split can follow the context without a new compilation.  NDEV: n_tok is read from cnt_ptr[0] on the device
-        (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it)."""
+        (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it).  KFOLD / VFOLD:
+        the side is read by load_folded, its parameters folded into the products (triton_common.folds)."""
         if NDEV:
             n_tok = tl.load(cnt_ptr)
         bh = tl.program_id(0)
@@ -109,6 +145,7 @@ if HAS_TRITON:
         r_ok = rows < R
         q = tl.load(q_ptr + (bh * R + rows)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
         q = q.to(tl.float32) * scaling
+        qsum = tl.sum(q, axis=1)
         lq = rows % LQ  # rows are [rep, Lq] flattened
         m = tl.full((RP,), float("-inf"), tl.float32)
         l_ = tl.zeros((RP,), tl.float32)
@@ -116,13 +153,28 @@ if HAS_TRITON:
         for t0 in range(0, CH, BT):
             t = chunk * CH + t0 + tl.arange(0, BT)
             t_ok = t < n_tok
-            k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
-                            kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D, W)
-            s = _scores(q, k, DOT)  # [RP, BT]
+            if KFOLD:
+                kr, ka, kc = load_folded(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
+                                         kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS,
+                                         KSYM, D)
+                s = _folded_scores(q, qsum, kr, ka, kc, KKIND, DOT)
+            else:
+                k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
+                                kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D,
+                                W)
+                s = _scores(q, k, DOT)  # [RP, BT]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
-            v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
-                            vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D, W)
-            m, l_, acc = _online(m, l_, acc, s, v, DOT)
+            m, l_, acc, p = _softmax_step(m, l_, acc, s)
+            if VFOLD:
+                vr, va, vc = load_folded(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
+                                         vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS,
+                                         VSYM, D)
+                acc += _folded_values(p, vr, va, vc, VKIND, DOT)
+            else:
+                v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
+                                vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D,
+                                W)
+                acc += dot(p, v, DOT)
         part = (bh * n_parts + part0 + chunk) * R + rows
         tl.store(m_ptr + part, m, mask=r_ok)
         tl.store(l_ptr + part, l_, mask=r_ok)
@@ -240,6 +292,20 @@ def query_rows(r: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(r))
 
 
+def fold_plan(ks: Side, vs: Side, kpr: int, vpr: int, d: int, bt: int, first: int, blk: int
+              ) -> tuple[bool, bool, int]:
+    """(keys fold, values fold, the unit a program's chunk of tokens is a multiple of) for a partials launch whose
+    tiles of ``bt`` tokens start at store index ``first`` (blocks of ``blk`` tokens; 0: one run of rows): a
+    per-channel side folds when its parameter rows (``kpr`` / ``vpr`` tokens) cover whole tiles and chunks."""
+    def row_aligned(per_row: int) -> bool:
+        return per_row % bt == 0 and first % per_row == 0 and blk % per_row == 0
+
+    kf = folds(ks, d, kpr, bt, row_aligned(kpr))
+    vf = folds(vs, d, vpr, bt, row_aligned(vpr))
+    unit = math.lcm(bt, *(pr for sd, f, pr in ((ks, kf, kpr), (vs, vf, vpr)) if f and sd.kind == 2))
+    return kf, vf, unit
+
+
 def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
     """Tokens per program of a split-K launch over n tokens: as many chunks as give the GPU TARGET_PROGRAMS
     programs, each at least ``least`` tokens, a multiple of ``bt`` (fewer, longer chunks keep the partials, written
@@ -293,7 +359,9 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     for seg in plan.segments:
         if seg.kind != EXACT and seg.length and pool is None:
             work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
-    chunks = [_chunk_tokens(w.n, b * hkv, chunk, bt) for w in work]
+    fold = [fold_plan(ks, vs, w.k[2], w.v[2], d, bt, w.pool.first if w.pool else 0,
+                      w.pool.block_tokens if w.pool else 0) for w in work]
+    chunks = [_chunk_tokens(w.n, b * hkv, chunk, unit) for w, (_, _, unit) in zip(work, fold)]
     splits = [triton.cdiv(w.n, c) for w, c in zip(work, chunks)]
     total = sum(splits)
     dev = query.device
@@ -302,7 +370,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
-    for w, nsp, ch in zip(work, splits, chunks):
+    for w, nsp, ch, (kf, vf, _) in zip(work, splits, chunks, fold):
         (kt, kst, kpr), (vt, vst, vpr) = w.k, w.v
         paged = w.pool is not None
         _partials_kernel[(b * hkv, nsp)](
@@ -311,6 +379,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
+            KFOLD=kf, VFOLD=vf,
             **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
         )
         part0 += nsp
