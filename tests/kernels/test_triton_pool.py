@@ -214,12 +214,14 @@ def test_generation_through_the_pool_matches_the_reference(tiny_mixed_sliding, m
     mask = torch.ones_like(ids)
     ids[1, :9], mask[1, :9] = 1, 0  # left padding in the second sequence
     spec = dataclasses.replace(preset("kivi-2-sink4"), block_tokens=128)
+    model = copy.deepcopy(tiny_mixed_sliding).to(TRITON_DEVICE)  # on the GPU where there is one (no interpreter)
+    ids, mask = ids.to(TRITON_DEVICE), mask.to(TRITON_DEVICE)
     out = {}
     for backend in ("torch", "triton"):
-        cache = QuantizedCache(tiny_mixed_sliding.config, spec, backend=backend)
+        cache = QuantizedCache(model.config, spec, backend=backend)
         with torch.no_grad():
-            out[backend] = tiny_mixed_sliding.generate(ids, attention_mask=mask, **cache_kwargs(tiny_mixed_sliding,
-                                                       cache), max_new_tokens=6, do_sample=False, pad_token_id=1)
+            out[backend] = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6,
+                                          do_sample=False, pad_token_id=1)
         stores = [layer.kv.store for layer in cache.layers]
         assert all((s.pool is not None) == (backend == "triton") for s in stores)
     assert out["triton"].tolist() == out["torch"].tolist()

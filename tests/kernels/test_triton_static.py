@@ -4,6 +4,8 @@ step across flushes and ring wraps (under TRITON_INTERPRET=1 here)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -61,7 +63,7 @@ def test_a_compiled_model_takes_the_graphed_operator(tiny_llama):
     require_triton_runtime()
     from kvsqueeze.adapter import StaticQuantizedCache, attention_paths, cache_kwargs
 
-    model = tiny_llama.to(TRITON_DEVICE)
+    model = copy.deepcopy(tiny_llama).to(TRITON_DEVICE)  # the session's fixture stays on the CPU for other tests
     prompt = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     spec = "k4c16-v4t16-w16"
     outs = []

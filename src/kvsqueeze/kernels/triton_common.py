@@ -179,7 +179,9 @@ if HAS_TRITON:
             return f * tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)[:, None]
         if KIND >= 5:
             lo_ok = ch >= NHI
-            code = _codes(x_ptr, xo, ch - NHI, NHI * (BITS + 1) // 8, t_ok, lo_ok, BITS)
+            # the first NHI channels take the high width: index 0 for them here (their load is masked), since a
+            # negative index's C-style % on the GPU gave a negative shift, a wild code and a read past the table
+            code = _codes(x_ptr, xo, tl.where(lo_ok, ch - NHI, 0), NHI * (BITS + 1) // 8, t_ok, lo_ok, BITS)
             lv = tl.load(tab_ptr + (D + 1) * W + code, mask=t_ok[:, None], other=0.0)
             if NHI > 0:
                 hi_code = _codes(x_ptr, xo, ch, 0, t_ok, ch < NHI, BITS + 1)

@@ -27,6 +27,7 @@ residual sketch take the reference, and ``path`` says so.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -63,6 +64,36 @@ CHUNK = 256  # the fewest stored tokens a program takes
 TARGET_PROGRAMS = 1024  # programs per launch worth having (a few waves of a GPU's SMs): longer chunks beyond it
 BLOCK_T = 32  # tokens a program unpacks and scores per loop iteration
 NUM_WARPS = 4  # warps per program of the partials launch
+
+
+def parse_launch(text: str) -> tuple[int, int, int, int]:
+    """(BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK) from ``BT:PROGRAMS:WARPS[:CHUNK]`` (CHUNK defaults to the
+    module's); ValueError naming what is allowed otherwise."""
+    try:
+        bt, programs, warps, *rest = (int(x) for x in text.split(":"))
+        (chunk,) = rest or [CHUNK]
+    except ValueError:
+        raise ValueError(f"a decode launch shape is BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK] (e.g. 32:1024:4), got "
+                         f"{text!r}") from None
+    if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1 or chunk < bt:
+        raise ValueError(f"decode launch shape {text}: BLOCK_T a power of two >= 16, NUM_WARPS 1-16 (a power of two), "
+                         "TARGET_PROGRAMS >= 1, CHUNK >= BLOCK_T")
+    return bt, programs, warps, chunk
+
+
+def _launch_from_env() -> None:
+    """``KVSQUEEZE_TRITON_DECODE=BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` sets the launch shape (tuning on
+    another GPU; benchmarks/attention_micro.py --gpu-configs times candidates)."""
+    global BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK
+    text = os.environ.get("KVSQUEEZE_TRITON_DECODE", "")
+    if text:
+        try:
+            BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK = parse_launch(text)
+        except ValueError as err:
+            raise ValueError(f"KVSQUEEZE_TRITON_DECODE: {err}") from None
+
+
+_launch_from_env()
 
 if HAS_TRITON:
 
