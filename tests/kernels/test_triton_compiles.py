@@ -15,10 +15,14 @@ from ._helpers import HAS_TRITON
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _ptxas() -> bool:
+def _tool(name: str) -> bool:
     import triton.backends.nvidia as nvidia
 
-    return (Path(nvidia.__file__).parent / "bin" / "ptxas").exists()
+    return (Path(nvidia.__file__).parent / "bin" / name).exists()
+
+
+def _ptxas() -> bool:
+    return _tool("ptxas")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -33,3 +37,21 @@ def test_every_kernel_compiles_for_sm90():
     for kernel in ("_partials_kernel", "_finish_kernel", "_prefill_segment_kernel", "_pack_token_kernel",
                    "_pack_channel_kernel"):
         assert f"{kernel}: " in run.stdout and f"{kernel}: 0 compiled" not in run.stdout, run.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_the_decode_loop_cost_is_read_from_the_machine_code():
+    """benchmarks/decode_loop_cost.py finds the partials kernel's token loop in its SASS and counts it: a row per
+    format with registers, a loop of some hundred instructions and a bandwidth ceiling."""
+    if not _ptxas() or not _tool("cuobjdump"):
+        pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_loop_cost.py"), "--specs", "fp8-e4m3",
+                          "--configs", "32:4"], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    row = next(line for line in run.stdout.splitlines() if line.startswith("| fp8-e4m3 | 32 | 4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    regs, loop, per_token, ceiling = int(cells[3]), int(cells[5]), float(cells[6]), float(cells[9])
+    assert 0 < regs <= 255 and 50 < loop < 5000 and per_token == pytest.approx(loop * 4 / 32, rel=0.01)
+    assert 100 < ceiling < 100000, row

@@ -1,0 +1,116 @@
+"""What one token costs the Triton decode's inner loop, read from its machine code, on a machine without a GPU.
+
+Decode attention over packed K/V should be bound by memory bandwidth; on the H200 (BENCHMARKS section 2, "On a
+GPU") it is bound by instructions instead.  This compiles the partials kernel for sm_90 (as
+triton_compile_check.py does: specialised as the JIT would, nothing launched) for Llama-shaped heads (head_dim 128,
+4 query rows per kv head, bf16), disassembles it with the cuobjdump Triton ships, finds the token loop (the longest
+backward branch) and prints, per format and launch shape: registers and spills (ptxas), instructions per loop
+iteration per warp, warp-instructions per token, per byte the token stores, and the bandwidth at which issuing
+them would be the limit on an H200 (132 SMs x 4 warp-instructions per clock x 1.98 GHz: an upper bound, since
+issue slots also stall).  A kernel change that lowers warp-instructions per byte raises that ceiling.
+
+    python benchmarks/decode_loop_cost.py                                   # kivi-4, kivi-2, int8, fp8 x shapes
+    python benchmarks/decode_loop_cost.py --specs kivi-4 --configs 32:4 16:1  # BLOCK_T:NUM_WARPS pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("run without TRITON_INTERPRET: this reads the compiler's output")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import triton_compile_check as tcc  # noqa: E402
+
+ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x warp-instructions per clock x boost clock
+
+
+def loop_instructions(cubin: bytes) -> int:
+    """Instructions of the longest loop (from a backward branch's target to the branch) in a kernel's SASS."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(cuobjdump), "--dump-sass", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    longest = 0
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", sass):
+        if m.group(2):
+            here, target = int(m.group(1), 16), int(m.group(2), 16)
+            if target < here:
+                longest = max(longest, (here - target) // 16 + 1)  # 16-byte instructions
+    return longest
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--specs", nargs="+", default=["kivi-4", "kivi-2", "int8", "fp8-e4m3"])
+    p.add_argument("--configs", nargs="+", default=["32:4", "32:2", "16:1", "64:4"], metavar="BLOCK_T:NUM_WARPS")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    from kernels._helpers import filled_layer, query_for
+    from kvsqueeze.kernels import triton_common, triton_decode, triton_pack
+    from kvsqueeze.spec import preset
+
+    for mod in (triton_common, triton_decode, triton_pack):  # "a GPU is here": the kernels' routes
+        mod.available = lambda: True
+    compiled = {}
+    real_compile = triton.compile
+
+    def keep(src, target=None, options=None):
+        kernel = real_compile(src, target=target, options=options)
+        compiled[src.name] = kernel
+        return kernel
+
+    tcc.triton.compile = keep
+    print(f"triton {triton.__version__}, sm_90, head_dim 128, 4 query rows per kv head, bf16\n")
+    print("| format | BLOCK_T | warps | registers | spill bytes | loop instr / warp | warp-instr / token | "
+          "bytes / token | warp-instr / byte | issue-bound GB/s (H200) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for spec in args.specs:
+        sp = dataclasses.replace(preset(spec), block_tokens=128)
+        layer = filled_layer(sp, batch=1, kv_heads=2, head_dim=128, stored=300, pooled=True,
+                             dtype=torch.bfloat16, new=1)
+        nb = layer.nbytes()  # bytes of one stored token of one kv head, keys and values (codes + parameters)
+        per_token = (nb["codes"] + nb["params"]) * 2 * 128 / nb["quantized_elements"]
+        for cfg in args.configs:
+            bt, warps = (int(x) for x in cfg.split(":"))
+            triton_decode.BLOCK_T, triton_decode.NUM_WARPS = bt, warps
+            compiler = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True)
+            saved = JITFunction.run
+            JITFunction.run = lambda fn, *a, grid, warmup, c=compiler, **kw: c.run(fn, *a, grid=grid, warmup=warmup,
+                                                                                   **kw)
+            try:
+                triton_decode.attend(query_for(layer, 8, 1), layer.plan(), None, 0.125)
+            finally:
+                JITFunction.run = saved
+            errors = [e for _, e in compiler.results if e]
+            if errors:
+                print(f"| {spec} | {bt} | {warps} | compile failed: {errors[0][:200]} |")
+                continue
+            regs, spills = compiler.usage["_partials_kernel"]
+            n = loop_instructions(compiled["_partials_kernel"].asm["cubin"])
+            wpt = n * warps / bt
+            print(f"| {spec} | {bt} | {warps} | {regs} | {spills} | {n} | {wpt:.1f} | {per_token:.0f} | "
+                  f"{wpt / per_token:.2f} | {ISSUE_PER_S / (wpt / per_token) / 1e9:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
