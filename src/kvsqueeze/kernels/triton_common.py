@@ -150,6 +150,16 @@ if HAS_TRITON:
         return codes
 
     @triton.jit
+    def _token_codes(x_ptr, xo, t_ok, ch, BITS: tl.constexpr, D: tl.constexpr):
+        """float32 integer codes [BT, D] of the rows at ``xo``: whole rows split in registers for 1/2/4/8 bits,
+        one byte (or two) per channel for 3, 5, 6, 7 bits, whose codes may straddle bytes."""
+        if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+            code = _row_codes(x_ptr, xo, t_ok, BITS, D)
+        else:
+            code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS)
+        return code.to(tl.float32)
+
+    @triton.jit
     def _group_params(p_ptr, po, t_ok, G: tl.constexpr, D: tl.constexpr):
         """[BT, D] float32 parameters of per-token groups of G channels (a power of two dividing D): each token's
         D / G values read once and repeated over their groups in registers."""
@@ -191,10 +201,7 @@ if HAS_TRITON:
             sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
             mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             return lv * sc[:, None] + mean
-        if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
-            code = _row_codes(x_ptr, xo, t_ok, BITS, D).to(tl.float32)
-        else:  # 3, 5, 6, 7 bits: codes may straddle bytes
-            code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
+        code = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
         if KIND == 1 and D % G == 0 and (G & (G - 1)) == 0:
             s = _group_params(s_ptr, po, t_ok, G, D)
             if SYM:
@@ -239,10 +246,7 @@ if HAS_TRITON:
             a = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
             c = 0.0
         else:
-            if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
-                raw = _row_codes(x_ptr, xo, t_ok, BITS, D).to(tl.float32)
-            else:
-                raw = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS).to(tl.float32)
+            raw = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
             if KIND == 1:
                 s = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
                 if SYM:

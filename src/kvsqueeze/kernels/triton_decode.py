@@ -4,10 +4,12 @@ Imported lazily by the adapter's backend switch; ``import kvsqueeze`` never need
 ``TRITON_INTERPRET=1`` the kernels also run on CPU tensors (slowly), which is how they are tested without a GPU.
 
 Decode (``attend``, split-K as in flash-decoding): programs own a (batch * kv head, chunk of tokens) pair (chunks
-of at least ``CHUNK`` tokens, longer where batch x kv heads already give ``TARGET_PROGRAMS`` programs); a program unpacks ``BLOCK_T`` tokens of codes at a time in registers (shift and mask per channel), applies
-the group parameters there, scores all query rows of its KV head (GQA rows share the loads; the rows padded to
-a tile of at least 16, scores and weighted values as ``tl.dot`` products on the matrix units, operands in the
-query's dtype), keeps an online softmax and writes its partial (max, sum, weighted values).  Where the cache keeps its blocks in a pool
+of at least ``CHUNK`` tokens, longer where batch x kv heads already give ``TARGET_PROGRAMS`` programs); a program
+unpacks ``BLOCK_T`` tokens of codes at a time in registers, applies the group parameters there or folds them into
+the products (triton_common.folds), scores all query rows of its KV head (GQA rows share the loads; the rows
+padded to a tile of at least 16, scores and weighted values as ``tl.dot`` products on the matrix units, operands
+in the query's dtype), keeps an online softmax and writes its partial (max, sum, weighted values).  Where the
+cache keeps its blocks in a pool
 (cache/pool.py: every device cache) one launch walks the whole stored history through the block table; otherwise
 one launch per stored block.  A finishing launch, one program per (batch, kv head), merges the partials exactly
 by log-sum-exp, attends to the full-precision segments itself (sinks, window, the step's new tokens: a few hundred
