@@ -39,8 +39,9 @@ if part tests; then
 echo "== Triton kernel tests on the device"
 # workers compile the kernels in parallel (pytest-xdist, where installed)
 python3 -c "import xdist" 2>/dev/null && WORKERS="-n $XDIST" || WORKERS=
+# SIGINT at the limit: pytest still prints the failures it has (a plain kill lost their names once)
 # shellcheck disable=SC2086
-timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS tests/kernels/test_triton_pool.py \
+timeout -s INT -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS tests/kernels/test_triton_pool.py \
   tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
   tests/kernels/test_triton_pack.py tests/kernels/test_triton_static.py "tests/kernels/test_conformance.py" \
   -k "not cpu-" --tb=short -rf > "$OUT/tests_full.txt" 2>&1
@@ -51,7 +52,7 @@ fi
 if part attention; then
 echo "== attention, one layer per step"
 # shellcheck disable=SC2086
-timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 50 --gpu-kv-heads 8 \
+timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 20 --gpu-kv-heads 8 \
   --gpu-batch 1 16 --gpu-presets $PRESETS --gpu-graphs ${CONFIGS:+--gpu-configs $CONFIGS} \
   --prefill-tokens 8192 --prefill-contexts 24576 --no-prefill-reference 2>&1 | tee "$OUT/attention.md"
 fi
