@@ -1,0 +1,41 @@
+"""The Triton decode's launch shape: ``KVSQUEEZE_TRITON_DECODE`` and attention_micro's ``--gpu-configs`` take
+``BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` through one parser, which names what is allowed when refusing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvsqueeze.kernels import triton_decode
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_launch_shape_is_parsed_with_the_modules_chunk_by_default():
+    assert triton_decode.parse_launch("16:4096:1") == (16, 4096, 1, triton_decode.CHUNK)
+    assert triton_decode.parse_launch("64:1024:8:512") == (64, 1024, 8, 512)
+
+
+@pytest.mark.parametrize("text", ["", "32", "32:1024", "x:1024:4", "24:1024:4", "8:1024:4", "32:1024:3",
+                                  "32:0:4", "32:1024:4:16", "32:1024:4:256:1"])
+def test_a_bad_launch_shape_is_refused_naming_the_form(text):
+    with pytest.raises(ValueError, match="BLOCK_T"):
+        triton_decode.parse_launch(text)
+
+
+def _module_shape(env_value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVSQUEEZE_TRITON_DECODE": env_value,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    code = "from kvsqueeze.kernels import triton_decode as t; print(t.BLOCK_T, t.TARGET_PROGRAMS, t.NUM_WARPS, t.CHUNK)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_environment_sets_the_launch_shape_or_is_refused_in_one_line():
+    ok = _module_shape("16:4096:1:128")
+    assert ok.returncode == 0 and ok.stdout.split() == ["16", "4096", "1", "128"], ok.stderr
+    bad = _module_shape("16:x")
+    assert bad.returncode != 0 and "KVSQUEEZE_TRITON_DECODE: a decode launch shape is" in bad.stderr
