@@ -12,7 +12,8 @@ in-model case: at 8k tokens the kernel took ~0.6 ms per SmolLM2 layer inside the
 
 GPU section (only with CUDA and Triton): 32 query heads, head_dim 128, 8 (GQA) or 32 KV heads, contexts 4k-128k,
 batch 1 and 16, bf16: the fused Triton decode over kivi-4 / kivi-2 / int8 blocks (checked against SDPA over the
-decoded K/V first) vs SDPA over bf16, with bytes read, GB/s and their share of the device copy bandwidth.
+decoded K/V first: float32 SDPA over them, within 2e-2 or 1.5x bf16 SDPA's own deviation from it) vs SDPA over
+bf16, with bytes read, GB/s and their share of the device copy bandwidth.
 ``--gpu-graphs`` adds each method replayed from a CUDA graph (kernel time, no Python); ``--gpu-configs
 32:1024:4 64:4096:8:512`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
 TARGET_PROGRAMS : NUM_WARPS [: CHUNK, the fewest tokens a program takes] of kernels/triton_decode.py), a row
@@ -206,11 +207,15 @@ def bench_gpu(args) -> None:
                     if triton_decode.path(q, la.plan()) != "triton":
                         print(f"| 32/{kvh} | {batch} | {ctx} | fused {p} | not served by the Triton decode |")
                         continue
-                    # the reference in float32 over the decoded K/V: bf16 SDPA's own rounding is ~2% of these
-                    # near-zero outputs at 32k tokens of 2-bit values
-                    ref = torch.nn.functional.scaled_dot_product_attention(
-                        q.float(), *(torch.cat([s[i].float() for s in la.plan().decoded()], 2) for i in (1, 2)),
-                        enable_gqa=kvh != 32)
+                    # the reference: float32 SDPA over the decoded K/V; the bound: 2e-2, or 1.5x bf16 SDPA's own
+                    # deviation from it over the same K/V where that is larger (bf16 operands alone move 2-bit
+                    # keys' outputs by 2.7% at 32k tokens: SDPA's as much as the fused decode's)
+                    dk, dv = (torch.cat([s[i] for s in la.plan().decoded()], 2) for i in (1, 2))
+                    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), dk.float(), dv.float(),
+                                                                           enable_gqa=kvh != 32)
+                    own = (_sdpa_bf16(q, dk.to(dt), dv.to(dt), kvh != 32).float() - ref).norm() / ref.norm()
+                    bound = max(2e-2, 1.5 * float(own))
+                    del dk, dv
                     for cfg in configs:
                         name = f"fused {p}" + (f" {cfg}" if len(configs) > 1 else "")
 
@@ -223,9 +228,9 @@ def bench_gpu(args) -> None:
                             print(f"| 32/{kvh} | {batch} | {ctx} | {name} | FAILED: {type(exc).__name__}: "
                                   f"{str(exc)[:300]} |")
                             continue
-                        if not err < 2e-2:
+                        if not err < bound:
                             print(f"| 32/{kvh} | {batch} | {ctx} | {name} | WRONG: differs from float32 SDPA over its "
-                                  f"decoded K/V by {err:.2e} |")
+                                  f"decoded K/V by {err:.2e} (bf16 SDPA: {own:.2e}) |")
                             continue
                         methods[name] = (fn, layer_bytes(la))
                 if args.gpu_graphs:  # the same calls replayed from CUDA graphs: kernel time without the Python
