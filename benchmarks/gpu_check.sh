@@ -7,7 +7,7 @@
 #   knobs (environment): PARTS ("tests attention e2e compiled": which parts, in that order), CONTEXTS ("4096 32768"),
 #                        PRESETS ("kivi-4 kivi-2 int8 fp8-e4m3"), CONFIGS (decode launch shapes BT:PROGRAMS:WARPS to
 #                        sweep; empty: the module's own), E2E_CONTEXT (32768), E2E_BATCH (8), E2E_CHUNK (prefill
-#                        chunk, 0 = one pass), E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
+#                        chunk, 0 = one pass), E2E_BUDGET (60GiB: capacity projected at E2E_CONTEXT), E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
 #                        COMPILED_CONTEXT (8192), COMPILED_LAYERS (all), SHAPE (llama-3.1-8b), XDIST (8 test workers),
 #                        TESTS_TIMEOUT (240 s)
 #   the device's per-call limit is 600 s: a call that ran out can go on with e.g. PARTS="e2e compiled"
@@ -22,6 +22,7 @@ CONFIGS=${CONFIGS:-}
 E2E_CONTEXT=${E2E_CONTEXT:-32768}
 E2E_BATCH=${E2E_BATCH:-8}
 E2E_CHUNK=${E2E_CHUNK:-0}
+E2E_BUDGET=${E2E_BUDGET:-60GiB}  # GPU memory for caches and activations: the largest batch of E2E_CONTEXT tokens
 E2E_CACHES=${E2E_CACHES:-"hf-dynamic kivi-4 kivi-2"}
 COMPILED_CONTEXT=${COMPILED_CONTEXT:-8192}
 SHAPE=${SHAPE:-llama-3.1-8b}
@@ -63,8 +64,9 @@ for kv in $E2E_CACHES; do
   # shellcheck disable=SC2086
   timeout 150 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $LAYERS --kv "$kv" \
     --context "$E2E_CONTEXT" --batch "$E2E_BATCH" --prefill-chunk "$E2E_CHUNK" --decode-tokens 16 \
+    --budget "$E2E_BUDGET" --batch-context "$E2E_CONTEXT" \
     --json "$OUT/speed_$kv.json" 2>&1 \
-    | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|error"
+    | tee "$OUT/speed_$kv.txt" | grep -E "decode|attention path|CUDA peak|capacity|error"
 done
 fi
 

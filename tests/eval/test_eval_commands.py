@@ -87,11 +87,23 @@ def test_speed_budget_and_prefill_chunk(tiny_model_dir, tmp_path, capsys):
     assert "capacity in 1.00 GiB" in capsys.readouterr().out
 
 
+def test_speed_budget_projects_a_batch_at_the_context_asked(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    assert main(["speed", "--kv", "kivi-2", "--model", str(tiny_model_dir), "--context", "300", "--decode-tokens", "2",
+                 "--budget", "1GiB", "--batch-context", "2048", "--json", str(out)]) == 0
+    c = json.loads(out.read_text())["capacity"]
+    per_seq = c["transient_bytes_per_sequence"] + c["fixed_bytes"] + 2048 * c["bytes_per_token"]
+    assert c["batch_context"] == 2048 and c["max_batch"] == int(2**30 // per_seq)
+    assert "sequences of 2048 tokens" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "0"], "the memory budget must be positive"),
     (["--budget", "lots"], "cannot read the memory budget 'lots'"),
     (["--prefill-chunk", "-1"], "must be 0 (one pass) or a positive number of tokens"),
     (["--prefill-chunk", "100000"], "larger than the model's context"),
+    (["--batch-context", "2048"], "--batch-context takes a positive number of tokens, with --budget"),
+    (["--budget", "1GiB", "--batch-context", "0"], "--batch-context takes a positive number of tokens"),
 ])
 def test_speed_bad_budget_or_chunk_is_one_line(tiny_model_dir, capsys, argv, message):
     try:

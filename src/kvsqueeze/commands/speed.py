@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also print the capacity in this memory budget (e.g. 2GiB): the longest context (batch 1) "
                         "and the largest batch of 4096-token sequences, projected from this run's peak and the "
                         "cache's exact bytes (kvsqueeze.eval.capacity)")
+    p.add_argument("--batch-context", type=int, default=None, metavar="N",
+                   help="with --budget: the context of the largest-batch figure (default 4096; e.g. 32768 for "
+                        "32k sequences in a GPU's memory)")
     _options.add_json(p)
 
 
@@ -41,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
         if v < 1:
             raise ValueError(f"{what} must be at least 1, got {v}")
     budget = None if args.budget is None else parse_budget(args.budget)
+    if args.batch_context is not None and (budget is None or args.batch_context < 1):
+        raise ValueError("--batch-context takes a positive number of tokens, with --budget (the budget it projects "
+                         f"into); got {args.batch_context}{'' if budget is not None else ' without --budget'}")
     if budget is not None and vllm_peer.is_vllm(kv):
         raise ValueError("--budget projects from a cache measured in this process; vLLM's cache lives in its own "
                          "process (drop --budget for vllm:* caches)")
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if r["cuda_peak_allocated_delta_bytes"] is not None:
         print(f"CUDA peak allocated +{r['cuda_peak_allocated_delta_bytes'] / 2**20:.0f} MiB during the run")
     if budget is not None:
-        r["capacity"] = _capacity(model, args.kv, r, budget)
+        r["capacity"] = _capacity(model, args.kv, r, budget, args.batch_context)
     if args.json:
         record = {**r, "cache": describe([args.kv])[0], "lifetime_max_rss_bytes": lifetime_max_rss(),
                   "model": meta.model_info(model, args.model or args.random_weights), "wall_seconds": time.perf_counter() - start,
@@ -95,13 +101,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity(model, kv: str, measured: dict, budget: int) -> dict:
+def _capacity(model, kv: str, measured: dict, budget: int, batch_context: int | None) -> dict:
     from kvsqueeze.eval import capacity as cap
 
     cost = cap.cache_cost(model, kv)
     transient = cap.transient_per_sequence(measured)
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    c = cap.capacity(cost, transient, budget, limit)
+    c = cap.capacity(cost, transient, budget, limit, batch_context or cap.BATCH_CONTEXT)
     longest = f"{c['max_context']} tokens" + (f" (the model's limit; the budget holds {c['max_tokens']})"
                                               if c["limited_by_model_positions"] else "")
     print(f"capacity in {budget / 2**30:.2f} GiB: longest context {longest}; {c['max_batch']} sequences of "
