@@ -14,7 +14,9 @@ GPU section (only with CUDA and Triton): 32 query heads, head_dim 128, 8 (GQA) o
 batch 1 and 16, bf16: the fused Triton decode over kivi-4 / kivi-2 / int8 blocks (checked against SDPA over the
 decoded K/V first: float32 SDPA over them, within 2e-2 or 1.5x bf16 SDPA's own deviation from it) vs SDPA over
 bf16, with bytes read, GB/s and their share of the device copy bandwidth.
-``--gpu-graphs`` adds each method replayed from a CUDA graph (kernel time, no Python); ``--gpu-configs
+``--gpu-dry-run`` runs these sections on the CPU under ``TRITON_INTERPRET=1`` at toy sizes, to check this script
+before a GPU call (tests/kernels/test_gpu_benchmark_dry_run.py); ``--gpu-graphs`` adds each method replayed from a
+CUDA graph (kernel time, no Python); ``--gpu-configs
 32:1024:4 64:4096:8:512`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
 TARGET_PROGRAMS : NUM_WARPS [: CHUNK, the fewest tokens a program takes] of kernels/triton_decode.py), a row
 each; the default is the module's own.
@@ -152,7 +154,7 @@ def gpu_copy_bandwidth(gib: float = 2.0) -> float:
     """GB/s of a device-to-device copy of ``gib`` GiB, counting bytes read and written (median of 10)."""
     x = torch.empty(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
-    ms = _cuda_ms(lambda: y.copy_(x), 10)
+    ms = _device_ms(lambda: y.copy_(x), 10, x.device)
     return 2 * x.numel() * 2 / (ms / 1e3) / 1e9
 
 
@@ -167,12 +169,28 @@ def _sdpa_bf16(q, k, v, gqa: bool):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
 
 
+def _gpu_device(args, section: str) -> torch.device | None:
+    """The device of the GPU sections: CUDA, or with ``--gpu-dry-run`` the CPU under Triton's interpreter (the
+    benchmark's own code checked at toy sizes; its times mean nothing); None, having said why, when neither."""
+    if args.gpu_dry_run:
+        from kvsqueeze.kernels import triton_common
+
+        if torch.cuda.is_available() or not triton_common.interpreting():
+            raise SystemExit("--gpu-dry-run runs the GPU sections on the CPU under TRITON_INTERPRET=1, without a GPU")
+        print(f"\n## {section}: DRY RUN on the CPU under Triton's interpreter (times mean nothing)")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        print(f"\n## {section}: no CUDA device; section skipped")
+        return None
+    return torch.device("cuda")
+
+
 def bench_gpu(args) -> None:
     """One decode step of one layer (32 query heads, head_dim 128, bf16): the fused Triton decode over packed blocks
     (one launch through the layer's pool, plus the exact segments and a combine) against SDPA over bf16, with the
     bytes each reads per step and the GB/s they imply beside the device copy bandwidth measured in the same run."""
-    if not torch.cuda.is_available():
-        print("\n## GPU: no CUDA device; section skipped")
+    dev = _gpu_device(args, "GPU")
+    if dev is None:
         return
     try:
         from kvsqueeze.kernels import triton_decode
@@ -182,11 +200,12 @@ def bench_gpu(args) -> None:
     if not triton_decode.available():
         print("\n## GPU: Triton kernels unavailable; section skipped")
         return
-    dev, dt = torch.device("cuda"), torch.bfloat16
+    dt = torch.bfloat16
     configs = args.gpu_configs or [LaunchShape.current()]
-    bw = gpu_copy_bandwidth()
-    print(f"\n## GPU: {torch.cuda.get_device_name()}, one layer per step, 32 query heads, head_dim 128, bf16; "
-          f"device copy {bw:.0f} GB/s (read + written)\n")
+    cuda = dev.type == "cuda"
+    bw = gpu_copy_bandwidth() if cuda else 2 * copy_bandwidth(64, 2)
+    print(f"\n## GPU: {torch.cuda.get_device_name() if cuda else 'CPU'}, one layer per step, 32 query heads, "
+          f"head_dim 128, bf16; device copy {bw:.0f} GB/s (read + written)\n")
     print("| heads q/kv | batch | context | method | ms/step | MB read | GB/s | of copy | vs SDPA bf16 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for kvh in args.gpu_kv_heads:
@@ -233,14 +252,14 @@ def bench_gpu(args) -> None:
                                   f"decoded K/V by {err:.2e} (bf16 SDPA: {own:.2e}) |")
                             continue
                         methods[name] = (fn, layer_bytes(la))
-                if args.gpu_graphs:  # the same calls replayed from CUDA graphs: kernel time without the Python
+                if args.gpu_graphs and cuda:  # the same calls replayed from CUDA graphs: no Python in the time
                     for m, (fn, nbytes) in list(methods.items()):
                         try:
                             methods[f"{m} (graph)"] = (_graphed(fn), nbytes)
                         except Exception as exc:  # noqa: BLE001
                             print(f"| 32/{kvh} | {batch} | {ctx} | {m} (graph) | FAILED: {type(exc).__name__}: "
                                   f"{str(exc)[:300]} |")
-                res = {m: _cuda_ms(fn, args.reps) for m, (fn, _) in methods.items()}
+                res = {m: _device_ms(fn, args.reps, dev) for m, (fn, _) in methods.items()}
                 for m, t in res.items():
                     nbytes = methods[m][1]
                     gbs = nbytes / (t / 1e3) / 1e9
@@ -248,7 +267,8 @@ def bench_gpu(args) -> None:
                     print(f"| 32/{kvh} | {batch} | {ctx} | {m} | {t:.3f} | {nbytes / 1e6:.1f} | {gbs:.0f} | "
                           f"{gbs / bw:.0%} | {base / t:.2f}x |")
                 del layers, kk, vv
-                torch.cuda.empty_cache()
+                if cuda:
+                    torch.cuda.empty_cache()
 
 
 class LaunchShape(NamedTuple):
@@ -304,7 +324,16 @@ def _graphed(fn):
     return graph.replay
 
 
-def _cuda_ms(fn, reps: int) -> float:
+def _device_ms(fn, reps: int, dev: torch.device) -> float:
+    """Median ms of ``fn`` after one warm-up call: CUDA events on a GPU, the wall clock on the CPU (dry runs)."""
+    if dev.type != "cuda":
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        return statistics.median(ts)
     fn()
     torch.cuda.synchronize()
     ts = []
@@ -321,16 +350,16 @@ def _cuda_ms(fn, reps: int) -> float:
 def bench_gpu_prefill(args) -> None:
     """A chunk of new tokens attending over a packed history (chunked prefill): the Triton prefill kernel vs the
     block-by-block torch reference and vs bf16 SDPA over dense K/V (no mask, a lower bound)."""
-    if not torch.cuda.is_available():
-        print("\n## GPU prefill: no CUDA device; section skipped")
+    dev = _gpu_device(args, "GPU prefill")
+    if dev is None:
         return
     from kvsqueeze.kernels import reference, triton_decode
 
     if not triton_decode.available():
         print("\n## GPU prefill: Triton kernels unavailable; section skipped")
         return
-    dev, n = torch.device("cuda"), args.prefill_tokens
-    print(f"\n## GPU prefill: {torch.cuda.get_device_name()}, {n} new tokens over the context, 32 query heads, "
+    n = args.prefill_tokens
+    print(f"\n## GPU prefill: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, {n} new tokens over the context, 32 query heads, "
           f"8 KV heads, head_dim 128, batch 1, bf16\n")
     print("| context | method | ms/step | vs SDPA bf16 |")
     print("|---|---|---|---|")
@@ -341,19 +370,20 @@ def bench_gpu_prefill(args) -> None:
         q = torch.randn(1, 32, n, 128, device=dev, dtype=dt)
         nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=dt), torch.randn(1, 8, n, 128, device=dev, dtype=dt)
         kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
-        res = {"SDPA bf16": _cuda_ms(lambda q=q, kk=kk, vv=vv: _sdpa_bf16(q, kk, vv, True), args.reps)}
+        res = {"SDPA bf16": _device_ms(lambda q=q, kk=kk, vv=vv: _sdpa_bf16(q, kk, vv, True), args.reps, dev)}
         for p in ("kivi-4", "kivi-2"):
             la = build_layer(p, k, v, nk, nv)
-            res[f"triton prefill {p}"] = _cuda_ms(
-                lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), args.reps)
+            res[f"triton prefill {p}"] = _device_ms(
+                lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), args.reps, dev)
             if args.prefill_reference:
-                res[f"torch reference {p}"] = _cuda_ms(
-                    lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5))
+                res[f"torch reference {p}"] = _device_ms(
+                    lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5), dev)
             del la
         for m, t in res.items():
             print(f"| {ctx} | {m} | {t:.3f} | {res['SDPA bf16'] / t:.2f}x |")
         del k, v, kk, vv
-        torch.cuda.empty_cache()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-presets", nargs="+", default=["kivi-4", "kivi-2", "int8"], help="GPU: presets to time")
     p.add_argument("--gpu-configs", nargs="+", type=LaunchShape.parse, default=None, metavar="BT:PROGRAMS:WARPS",
                    help="GPU: decode launch shapes to time, a row each (default: kernels/triton_decode.py's own)")
+    p.add_argument("--gpu-dry-run", action="store_true",
+                   help="run the GPU sections on the CPU under TRITON_INTERPRET=1 (checks this script's code before "
+                        "a GPU call; use toy sizes, the times mean nothing)")
     p.add_argument("--gpu-graphs", action="store_true",
                    help="GPU: also time every method replayed from a CUDA graph (its kernels without the Python)")
     p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
