@@ -67,6 +67,11 @@ def dot_kind(dtype: torch.dtype) -> int:
     return 0 if interpreting() else {torch.float16: 1, torch.bfloat16: 2}.get(dtype, 0)
 
 
+def dot_head_dim(d: int) -> bool:
+    """Whether the kernels take this head_dim: a power of two (tile shapes) of at least MIN_DOT (tl.dot)."""
+    return d >= MIN_DOT and not d & (d - 1)
+
+
 def available() -> bool:
     """Triton importable and a CUDA device present (or the Triton interpreter switched on)."""
     return HAS_TRITON and (torch.cuda.is_available() or interpreting())
@@ -160,6 +165,16 @@ if HAS_TRITON:
         return code.to(tl.float32)
 
     @triton.jit
+    def _fp8_values(x_ptr, xo, t_ok, ch, KIND: tl.constexpr):
+        """float32 values [BT, D] of fp8 rows at ``xo`` (KIND 3 e4m3, 4 e5m2), before their scales."""
+        byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
+        if KIND == 3:
+            f = byte.to(tl.float8e4nv, bitcast=True)
+        else:
+            f = byte.to(tl.float8e5, bitcast=True)
+        return f.to(tl.float32)
+
+    @triton.jit
     def _group_params(p_ptr, po, t_ok, G: tl.constexpr, D: tl.constexpr):
         """[BT, D] float32 parameters of per-token groups of G channels (a power of two dividing D): each token's
         D / G values read once and repeated over their groups in registers."""
@@ -181,12 +196,8 @@ if HAS_TRITON:
         if KIND == 0:
             return tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         if KIND == 3 or KIND == 4:
-            byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
-            if KIND == 3:
-                f = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                f = byte.to(tl.float8e5, bitcast=True).to(tl.float32)
-            return f * tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)[:, None]
+            scale = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
+            return _fp8_values(x_ptr, xo, t_ok, ch, KIND) * scale[:, None]
         if KIND >= 5:
             lo_ok = ch >= NHI
             # the first NHI channels take the high width: index 0 for them here (their load is masked), since a
@@ -238,11 +249,7 @@ if HAS_TRITON:
             a = 0.0
             c = 0.0
         elif KIND == 3 or KIND == 4:
-            byte = tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0)
-            if KIND == 3:
-                raw = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                raw = byte.to(tl.float8e5, bitcast=True).to(tl.float32)
+            raw = _fp8_values(x_ptr, xo, t_ok, ch, KIND)
             a = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
             c = 0.0
         else:

@@ -42,6 +42,7 @@ from .triton_common import (
     Side,
     available,
     device_table,
+    dot_head_dim,
     dot_kind,
     folds,
     interpreting,
@@ -357,13 +358,9 @@ def supports(plan: SegmentPlan) -> bool:
 def path(query: torch.Tensor, plan: SegmentPlan) -> str:
     """The path :func:`attend` takes for this step, for reports: ``triton``, ``triton-prefill`` or ``reference``."""
     d = query.shape[-1]
-    if not available() or not supports(plan) or d & (d - 1) or d < MIN_DOT or plan.new is None:
+    if not available() or not supports(plan) or not dot_head_dim(d) or plan.new is None:
         return "reference"
-    if query.shape[2] > MAX_QUERIES:  # prefill on top of a cache: query tiles
-        from .triton_prefill import supports_query
-
-        return "triton-prefill" if supports_query(d) else "reference"
-    return "triton"
+    return "triton-prefill" if query.shape[2] > MAX_QUERIES else "triton"  # prefill on top of a cache: query tiles
 
 
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

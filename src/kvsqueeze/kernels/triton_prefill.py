@@ -23,7 +23,6 @@ from ..cache.plan import EXACT, SegmentPlan
 from .triton_common import (
     FP_SIDE,
     HAS_TRITON,
-    MIN_DOT,
     device_table,
     dot_kind,
     mask_args,
@@ -96,10 +95,6 @@ if HAS_TRITON:
         tl.store(m_ptr + st, m, mask=r_ok)
         tl.store(l_ptr + st, l_, mask=r_ok)
         tl.store(acc_ptr + st[:, None] * D + ch[None, :], acc, mask=r_ok[:, None])
-
-
-def supports_query(d: int) -> bool:
-    return d >= MIN_DOT and not d & (d - 1)
 
 
 def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float

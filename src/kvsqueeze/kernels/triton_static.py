@@ -4,7 +4,8 @@
 replay unchanged.  Here every launch argument is fixed for the layer: the split-K grid covers all its packed rows
 (programs past the stored tokens write empty partials), and the counts of the step (stored tokens, the window's and
 the new token's positions in the ring, the sinks held) are computed from the layer's ``count`` tensor by device ops
-and read by the kernels (``NDEV`` / ``RING`` in :mod:`triton_decode`'s kernels).  The arithmetic is :mod:`triton_decode`'s.
+and read by the kernels (``NDEV`` / ``RING`` in :mod:`triton_decode`'s kernels).  The arithmetic is
+:mod:`triton_decode`'s.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from . import triton_decode
 from .triton_common import (
     HAS_TRITON,
     device_table,
+    dot_head_dim,
     mask_args,
     rotate_query,
     side,
@@ -31,8 +33,7 @@ if HAS_TRITON:
 
 
 def supports(key_format, value_format, head_dim: int) -> bool:
-    return (side(key_format) is not None and side(value_format) is not None and not head_dim & (head_dim - 1)
-            and head_dim >= triton_decode.MIN_DOT)
+    return side(key_format) is not None and side(value_format) is not None and dot_head_dim(head_dim)
 
 
 def step_counts(count: torch.Tensor, sinks: int, window: int, group: int) -> torch.Tensor:
