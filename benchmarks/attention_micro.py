@@ -359,8 +359,9 @@ def bench_gpu_prefill(args) -> None:
         print("\n## GPU prefill: Triton kernels unavailable; section skipped")
         return
     n = args.prefill_tokens
-    print(f"\n## GPU prefill: {torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}, {n} new tokens over the context, 32 query heads, "
-          f"8 KV heads, head_dim 128, batch 1, bf16\n")
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "CPU"
+    print(f"\n## GPU prefill: {name}, {n} new tokens over the context, 32 query heads, 8 KV heads, head_dim 128, "
+          f"batch 1, bf16\n")
     print("| context | method | ms/step | vs SDPA bf16 |")
     print("|---|---|---|---|")
     dt = torch.bfloat16

@@ -7,7 +7,8 @@
 #   knobs (environment): PARTS ("tests attention e2e compiled": which parts, in that order), CONTEXTS ("4096 32768"),
 #                        PRESETS ("kivi-4 kivi-2 int8 fp8-e4m3"), CONFIGS (decode launch shapes BT:PROGRAMS:WARPS to
 #                        sweep; empty: the module's own), E2E_CONTEXT (32768), E2E_BATCH (8), E2E_CHUNK (prefill
-#                        chunk, 0 = one pass), E2E_BUDGET (60GiB: capacity projected at E2E_CONTEXT), E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
+#                        chunk, 0 = one pass), E2E_BUDGET (60GiB: capacity projected at E2E_CONTEXT),
+#                        E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
 #                        COMPILED_CONTEXT (8192), COMPILED_LAYERS (all), SHAPE (llama-3.1-8b), XDIST (8 test workers),
 #                        TESTS_TIMEOUT (240 s)
 #   the device's per-call limit is 600 s: a call that ran out can go on with e.g. PARTS="e2e compiled"
@@ -42,8 +43,8 @@ echo "== Triton kernel tests on the device"
 python3 -c "import xdist" 2>/dev/null && WORKERS="-n $XDIST" || WORKERS=
 # SIGINT at the limit: pytest still prints the failures it has (a plain kill lost their names once)
 # shellcheck disable=SC2086
-timeout -s INT -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS tests/kernels/test_triton_pool.py \
-  tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
+timeout -s INT -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider $WORKERS \
+  tests/kernels/test_triton_pool.py tests/kernels/test_triton_formats.py tests/kernels/test_triton_kernels.py tests/kernels/test_triton_prefill.py \
   tests/kernels/test_triton_pack.py tests/kernels/test_triton_static.py "tests/kernels/test_conformance.py" \
   -k "not cpu-" --tb=short -rf > "$OUT/tests_full.txt" 2>&1
 grep -E "^FAILED|^ERROR" "$OUT/tests_full.txt" | cut -c1-300 | head -n 60

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,20 @@ import torch
 from kvsqueeze.cache.layer import LayerKV
 from kvsqueeze.kernels import reference
 from kvsqueeze.spec import CacheSpec, preset
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def script_env(**overrides: str | None) -> dict[str, str]:
+    """This process's environment for a script of the repository run in a subprocess: its src on PYTHONPATH, and
+    ``overrides`` set (None: removed, e.g. TRITON_INTERPRET for scripts that compile)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
 
 
 def filled_layer(spec: CacheSpec | str, batch: int = 1, kv_heads: int = 2, head_dim: int = 64, stored: int = 300,

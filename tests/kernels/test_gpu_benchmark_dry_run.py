@@ -4,30 +4,25 @@ checked, timed row per format and launch shape, the prefill table its rows."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from ._helpers import HAS_TRITON
-
-ROOT = Path(__file__).resolve().parents[2]
+from ._helpers import HAS_TRITON, ROOT, script_env
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_the_gpu_sections_run_dry_on_the_cpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: run the benchmark itself")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "attention_micro.py"), "--skip-cpu",
                           "--gpu-dry-run", "--gpu-contexts", "200", "--gpu-batch", "1", "--gpu-kv-heads", "8",
                           "--gpu-presets", "kivi-4", "--gpu-configs", "32:1024:4", "16:4096:1", "--gpu-graphs",
                           "--reps", "1", "--prefill-tokens", "20", "--prefill-contexts", "200",
-                          "--no-prefill-reference"], capture_output=True, text=True, env=env, timeout=900)
+                          "--no-prefill-reference"], capture_output=True, text=True,
+                         env=script_env(TRITON_INTERPRET="1"), timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
     assert "DRY RUN" in out and "| 32/8 | 1 | 200 | SDPA bf16 |" in out

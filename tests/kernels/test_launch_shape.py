@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from kvsqueeze.kernels import triton_decode
 
-ROOT = Path(__file__).resolve().parents[2]
+from ._helpers import script_env
 
 
 def test_a_launch_shape_is_parsed_with_the_modules_chunk_by_default():
@@ -28,10 +26,9 @@ def test_a_bad_launch_shape_is_refused_naming_the_form(text):
 
 
 def _module_shape(env_value: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVSQUEEZE_TRITON_DECODE": env_value,
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     code = "from kvsqueeze.kernels import triton_decode as t; print(t.BLOCK_T, t.TARGET_PROGRAMS, t.NUM_WARPS, t.CHUNK)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=script_env(KVSQUEEZE_TRITON_DECODE=env_value), timeout=300)
 
 
 def test_the_environment_sets_the_launch_shape_or_is_refused_in_one_line():

@@ -3,16 +3,13 @@ Triton tests use here, runs the kernels' Python and accepts what the compiler ma
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ._helpers import HAS_TRITON
-
-ROOT = Path(__file__).resolve().parents[2]
+from ._helpers import HAS_TRITON, ROOT, script_env
 
 
 def _tool(name: str) -> bool:
@@ -29,10 +26,8 @@ def _ptxas() -> bool:
 def test_every_kernel_compiles_for_sm90():
     if not _ptxas():
         pytest.skip("this Triton has no NVIDIA backend compiler (ptxas) to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_compile_check.py"), "--quick"],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=script_env(TRITON_INTERPRET=None), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     for kernel in ("_partials_kernel", "_finish_kernel", "_prefill_segment_kernel", "_pack_token_kernel",
                    "_pack_channel_kernel"):
@@ -45,10 +40,9 @@ def test_the_decode_loop_cost_is_read_from_the_machine_code():
     format with registers, a loop of some hundred instructions and a bandwidth ceiling."""
     if not _ptxas() or not _tool("cuobjdump"):
         pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_loop_cost.py"), "--specs", "fp8-e4m3",
-                          "--configs", "32:4"], capture_output=True, text=True, env=env, timeout=600)
+                          "--configs", "32:4"], capture_output=True, text=True, env=script_env(TRITON_INTERPRET=None),
+                         timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     row = next(line for line in run.stdout.splitlines() if line.startswith("| fp8-e4m3 | 32 | 4 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]

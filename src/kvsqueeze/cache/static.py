@@ -13,10 +13,10 @@ changes no Python state, only tensors, in place:
 * ``count`` = n = S + m tokens, a 0-dim device tensor.
 
 A decode step writes its token into the ring (or the sinks, while fewer than S are held) and counts it
-(:meth:`write_token`); attention reads the sinks, the packed ``[0, nq(m - 1))`` and the ring's ``[nq(m - 1), m)`` (:meth:`plan_from`, from the tensors the compiled graph hands
-over); then :meth:`flush` (run by the attention operator, kernels/static_op.py) encodes the group
-``[nq(n) - G, nq(n))`` from the ring into its rows.  It does so every
-step, new group or not: encoding the same exact tokens again writes the same codes, so the step never branches on
+(:meth:`write_token`); attention reads the sinks, the packed ``[0, nq(m - 1))`` and the ring's
+``[nq(m - 1), m)`` (:meth:`plan_from`, from the tensors the compiled graph hands over); then :meth:`flush` (run by
+the attention operator, kernels/static_op.py) encodes the group ``[nq(n) - G, nq(n))`` from the ring into its
+rows.  It does so every step, new group or not: encoding the same exact tokens again writes the same codes, so the step never branches on
 a value.  The ring holds the last R tokens, which always include that group (R >= W + 2G - 1).  A prompt (any
 length, eager) attends exactly as the dynamic layer's and is then committed (:meth:`commit`).
 
