@@ -165,18 +165,27 @@ const CbRow<DT>* cb_lanes(const Fmt& f) {
   return sl.ok ? &sl.row : nullptr;
 }
 
-// A row's code bytes, or a zero-padded copy of them when its windows would read past the storage (Part::end)
+// The code rows of an item (first row, stride and the storage's end, read once: the side's fields are re-read after
+// every store, and row()'s three multiplies per token were a measurable share of the token loops).  operator():
+// row t's code bytes, or a zero-padded copy of them when its windows would read past the storage (Part::end).
 template <int DT>
-__attribute__((always_inline)) inline const uint8_t* cb_row(const Side& sd, const CbRow<DT>& cr, int64_t b, int64_t h,
-                                                            int64_t t, uint8_t* pad) {
-  const char* row = sd.x.row(b, h, t);
-  __builtin_prefetch(row + PREFETCH_BYTES);
-  if (__builtin_expect(row + cr.need > sd.x.end, 0)) {
-    std::memcpy(pad, row, cr.bytes);
-    return pad;
+struct CbRows {
+  const CbRow<DT>& cr;
+  const char* row0;
+  int64_t sr;
+  const char* end;
+  CbRows(const Side& sd, const CbRow<DT>& c, int64_t b, int64_t h, int64_t t0)
+      : cr(c), row0(sd.x.row(b, h, t0)), sr(sd.x.sr), end(sd.x.end) {}
+  __attribute__((always_inline)) inline const uint8_t* operator()(int t, uint8_t* pad) const {
+    const char* row = row0 + t * sr;
+    __builtin_prefetch(row + PREFETCH_BYTES);
+    if (__builtin_expect(row + cr.need > end, 0)) {
+      std::memcpy(pad, row, cr.bytes);
+      return pad;
+    }
+    return reinterpret_cast<const uint8_t*>(row);
   }
-  return reinterpret_cast<const uint8_t*>(row);
-}
+};
 
 // x[0] = pair-sum levels [START, LOG2_VW) of x (VW >> START vectors, overwritten), as reduce_tokens, inlined
 template <int START>
@@ -198,6 +207,7 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
                const float* q, float* s, int64_t s_stride, const float* scale) {
   constexpr int NV = DT / VW, LTU = VW == 16 ? 2 : 0, TU = 1 << LTU, NB = VW / TU;
   const CbLevels<DT> lv(cr, tb);
+  const CbRows<DT> rows(sd, cr, b, h, t0);
   alignas(64) uint8_t pad[DT / 2 + 64] = {};
   vf buf[RB][NB];
   for (int t = 0; t < n; t += TU) {
@@ -206,7 +216,7 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
     for (int u = 0; u < TU; ++u) {
       for (int r = 0; r < RB; ++r) acc[u][r] = vf{};
       if (TU > 1 && t + u >= n) continue;  // past the item: zero
-      const uint8_t* row = cb_row(sd, cr, b, h, t0 + t + u, pad);
+      const uint8_t* row = rows(t + u, pad);
       vf odd[RB];  // AVX2: a second chain per row (eight dependent multiply-adds per token were latency-bound)
       for (int r = 0; r < RB; ++r) odd[r] = vf{};
 #pragma GCC unroll 16
@@ -253,12 +263,13 @@ void cb_values(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
                const float* p, int64_t p_stride, float* acc) {
   constexpr int NV = DT / VW;
   const CbLevels<DT> lv(cr, tb);
+  const CbRows<DT> rows(sd, cr, b, h, t0);
   alignas(64) uint8_t pad[DT / 2 + 64] = {};
   vf a[RB][NV];
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) a[r][v] = loadf(acc + r * DT + v * VW);
   for (int t = 0; t < n; ++t) {
-    const uint8_t* row = cb_row(sd, cr, b, h, t0 + t, pad);
+    const uint8_t* row = rows(t, pad);
     vf pr[RB];  // masked tokens have p = 0 exactly and add nothing: no test per token
     for (int r = 0; r < RB; ++r) pr[r] = splat(p[r * p_stride + t]);
 #pragma GCC unroll 16

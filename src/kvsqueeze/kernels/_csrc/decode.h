@@ -23,7 +23,7 @@ struct Scratch {
   std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc, wt;
   Scratch(int D, int64_t R, int64_t chunk)
       : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
-        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(4 * chunk + 16) {}
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16) {}
 };
 
 // One (batch, kv head, chunk) work item: partial max, sum and weighted values of every query row.

@@ -61,13 +61,12 @@ inline vf splat(float x) {
 // Lane t of the result = the sum of the VW lanes of x[t]: log2(VW) levels of two-input lane permutations and adds
 // (VW - 1 vectors' worth), instead of one horizontal sum per token, which dominated the score loop.  After level j
 // each vector holds VW >> j partial sums of 2^j inputs side by side.
-inline vf pair_sums(const vf& a, const vf& b, const vi& lo, int shift) {
+// V: float lanes, or the integer lanes of exact dot products (vi).
+template <class V>
+inline V pair_sums(const V& a, const V& b, const vi& lo, int shift) {
   return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + shift);
 }
 
-// Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
-// START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
-// (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
 // Level LEVEL's two-input lane pattern, a compile-time constant: on AVX2 a run-time pattern turned each level
 // into an emulated two-source permutation (AVX-512 has one instruction for it, AVX2 none).
 template <int LEVEL>
@@ -91,15 +90,15 @@ constexpr int LOG2_VW = VW == 16 ? 4 : 3;
 // Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
 // START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
 // (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
-template <int START>
-inline vf reduce_tokens(vf* x) {
+template <int START, class V>
+inline V reduce_tokens(V* x) {
   if constexpr (START >= LOG2_VW) {
     return x[0];
   } else {
     constexpr vi lo = level_pattern<START>();
     constexpr int n = VW >> START;
     for (int i = 0; i < n / 2; ++i) x[i] = pair_sums(x[2 * i], x[2 * i + 1], lo, VW >> (START + 1));
-    return reduce_tokens<START + 1>(x);
+    return reduce_tokens<START + 1, V>(x);
   }
 }
 
@@ -354,6 +353,31 @@ constexpr bool values_spill() {
 // A token's scale is folded into its probability, w_rt = p_rt a_tg, so a code costs one multiply-add per row, and
 // its zero term is one sum per row and group: acc += sum_t w_rt code_t + sum_t p_rt c_tg (the same arithmetic as the
 // reference up to float rounding; the codes are re-read from L1 per pass, 8-32 bytes per token).
+// ag[t] = A[t NG + g], cg[t] = C[t NG + g]: one group's per-token parameters as contiguous runs, with the common
+// group counts as compile-time strides (vectorised with lane permutations; a run-time stride loads lane by lane).
+template <int NG>
+inline void group_runs_of(const float* __restrict A, const float* __restrict C, int g, int n, float* __restrict ag,
+                          float* __restrict cg) {
+#pragma omp simd
+  for (int t = 0; t < n; ++t) {
+    ag[t] = A[t * NG + g];
+    cg[t] = C[t * NG + g];
+  }
+}
+
+inline void group_runs(const float* A, const float* C, int NG, int g, int n, float* ag, float* cg) {
+  switch (NG) {
+    case 1: return group_runs_of<1>(A, C, g, n, ag, cg);
+    case 2: return group_runs_of<2>(A, C, g, n, ag, cg);
+    case 4: return group_runs_of<4>(A, C, g, n, ag, cg);
+    default:
+      for (int t = 0; t < n; ++t) {
+        ag[t] = A[t * NG + g];
+        cg[t] = C[t * NG + g];
+      }
+  }
+}
+
 template <int DT, int BITS, int RB>
 void blocked_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
                     float* acc, int64_t acc_stride, const float* A, const float* C, float* wt) {
@@ -368,14 +392,19 @@ void blocked_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, con
   for (int hb = 0; hb < L::UB; ++hb) {
     if (bg.g[hb] != gcur) {  // this group's weights w[r][t] and zero sums
       gcur = bg.g[hb];
+      // the group's (a, c) gathered once into contiguous runs: the rows' loops below read them as vectors (strided
+      // per row, the lane-by-lane gathers were a quarter of this function at 3 rows)
+      float* ag = wt + RB * n;
+      float* cg = ag + n;
+      group_runs(A, C, NG, gcur, n, ag, cg);
       for (int r = 0; r < RB; ++r) {
         const float* pr = p + r * p_stride;
         float* w = wt + r * n;
         float z = 0.f;  // (a reordered sum: a serial one was a third of this function)
 #pragma omp simd reduction(+ : z)
         for (int t = 0; t < n; ++t) {
-          w[t] = pr[t] * A[t * NG + gcur];
-          z += pr[t] * C[t * NG + gcur];
+          w[t] = pr[t] * ag[t];
+          z += pr[t] * cg[t];
         }
         cz[r] = z;
       }
@@ -419,7 +448,7 @@ int fast_bits(const Side& sd, bool is_key) {
 struct TokenParams {
   float* A;
   float* C;
-  float* W;  // blocked_values' weights: 4 rows x the item's tokens
+  float* W;  // blocked_values' weights (4 rows) and one group's (a, c): 6 x the item's tokens
 };
 
 template <int DT, int BITS, int KIND>

@@ -36,12 +36,6 @@ inline ivec field_bytes(ivec x, uint8_t mask) {
   return _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec widen_s16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline vf to_float(ivec x) {
-  const __m512 f = _mm512_cvtepi32_ps(x);
-  vf v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
-}
 
 // out[j] = in[chan[j]] for DT floats by masked lane permutations (the field-major orders draw each output vector
 // from per input vectors): a per-channel key group (32 tokens in the KIVI presets) gathered its scales and zero
@@ -104,12 +98,6 @@ inline ivec field_bytes(ivec x, uint8_t mask) {
   return _mm256_and_si256(x, _mm256_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec widen_s16(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline vf to_float(ivec x) {
-  const __m256 f = _mm256_cvtepi32_ps(x);
-  vf v;
-  std::memcpy(&v, &f, sizeof(v));
-  return v;
-}
 
 // out[j] = in[chan[j]] for DT floats, as the AVX-512 ChanGather: each output vector is one lane permutation of each
 // input vector its lanes come from (two for the 4-bit field-major order), blended; the scalar gather was a twentieth
@@ -360,6 +348,10 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
   }
   int64_t next = -1;  // first token of the next per-channel group
   const bool contiguous = sd.x.sr == L::RBY;
+  // the item's first row and the row stride, read once: sd's fields are re-read after every store (they might
+  // alias), and the three multiplies of row() per token were a sixth of the token loop
+  const uint8_t* const row0 = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0));
+  const int64_t sr = sd.x.sr;
 #if defined(KVSQ_CHAN_GATHER)
   const ChanGather<DT>& gather = chan_gather<DT>(chan);
 #endif
@@ -387,7 +379,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       }
     }
     const int nb = std::min(VW, n - tb);
-    vf buf[RB][NV];
+    vi buf[RB][NV];  // exact int32 lane sums, reduced as integers and converted once per VW tokens
     for (int v = 0; v < NV; ++v) {
       const int tok = tb + v * L::TPV;  // first token of this vector
       ivec acc[RB], low[RB];
@@ -395,13 +387,12 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       alignas(64) uint8_t gathered[IB];
       const uint8_t* base;
       if (L::TPV == 1) {
-        base = tok < n ? reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok)) : zeros;
+        base = tok < n ? row0 + tok * sr : zeros;
       } else if (contiguous && tok + L::TPV <= n) {
-        base = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok));
+        base = row0 + tok * sr;
       } else {  // rows apart in memory, or past the end: gathered (missing rows as zeros, their sums unused)
         for (int i = 0; i < L::TPV; ++i)
-          std::memcpy(gathered + i * L::RBY,
-                      tok + i < n ? reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0 + tok + i)) : zeros, L::RBY);
+          std::memcpy(gathered + i * L::RBY, tok + i < n ? row0 + (tok + i) * sr : zeros, L::RBY);
         base = gathered;
       }
       __builtin_prefetch(reinterpret_cast<const char*>(base) + PREFETCH_BYTES);
@@ -432,10 +423,13 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
           }(std::make_integer_sequence<int, L::per>{});
         }
       }
-      for (int r = 0; r < RB; ++r) buf[r][v] = to_float(L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]));
+      for (int r = 0; r < RB; ++r) {
+        const ivec x = L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]);
+        std::memcpy(&buf[r][v], &x, sizeof(x));
+      }
     }
     for (int r = 0; r < RB; ++r) {
-      const vf dots = reduce_tokens<L::START>(buf[r]);
+      const vf dots = __builtin_convertvector(reduce_tokens<L::START>(buf[r]), vf);
       const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
                                         : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
       if (nb == VW) {  // a variable-length copy here compiled to rep movsq and took a sixth of the kernel
