@@ -187,18 +187,6 @@ struct CbRows {
   }
 };
 
-// x[0] = pair-sum levels [START, LOG2_VW) of x (VW >> START vectors, overwritten), as reduce_tokens, inlined
-template <int START>
-__attribute__((always_inline)) inline vf cb_reduce(vf* x) {
-  if constexpr (START >= LOG2_VW) {
-    return x[0];
-  } else {
-    constexpr vi lo = level_pattern<START>();
-    for (int i = 0; i < (VW >> START) / 2; ++i) x[i] = pair_sums(x[2 * i], x[2 * i + 1], lo, VW >> (START + 1));
-    return cb_reduce<START + 1>(x);
-  }
-}
-
 // dot_t = q' . cb[codes_t] for RB query rows (natural order), s = dot_t * scale_t.  AVX-512: TU = 4 tokens at a
 // time are summed pairwise in registers (levels 0-1 of reduce_tokens) and the rest VW tokens at once (parking every
 // token's vector on the stack and reducing from level 0 cost a third of the loop); AVX2 (16 registers) parks each.
@@ -250,7 +238,7 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
       for (int r = 0; r < RB; ++r) {
         for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
         float red[VW];
-        storef(red, cb_reduce<LTU>(buf[r]) * sv);
+        storef(red, reduce_tokens<LTU>(buf[r]) * sv);
         std::memcpy(s + r * s_stride + first, red, sizeof(float) * cnt);
       }
     }

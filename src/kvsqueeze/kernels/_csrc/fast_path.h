@@ -79,7 +79,7 @@ constexpr vi level_pattern() {
   return vi{P[LEVEL][0], P[LEVEL][1], P[LEVEL][2], P[LEVEL][3], P[LEVEL][4], P[LEVEL][5], P[LEVEL][6], P[LEVEL][7],
             P[LEVEL][8], P[LEVEL][9], P[LEVEL][10], P[LEVEL][11], P[LEVEL][12], P[LEVEL][13], P[LEVEL][14],
             P[LEVEL][15]};
-#else  // vperm2f128, then two in-lane shufps levels
+#else  // (AVX2 reduces START 0 and 1 in reduce_tokens' own order, lane-crossing last)
   constexpr int P[3][8] = {{0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
   return vi{P[LEVEL][0], P[LEVEL][1], P[LEVEL][2], P[LEVEL][3], P[LEVEL][4], P[LEVEL][5], P[LEVEL][6], P[LEVEL][7]};
 #endif
@@ -90,9 +90,29 @@ constexpr int LOG2_VW = VW == 16 ? 4 : 3;
 // Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
 // START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
 // (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
+// AVX2 (VW 8), START 0 and 1: the in-lane unpacks (one per cycle and pipe) take the first levels and one lane-crossing
+// step the last, where the two-input level patterns above were lane-crossing permutations at every level (vpermd,
+// vperm2i128: about one per cycle on Zen 3), 6 of the ~45 cycles a kivi-4 token and KV head took at 8k.
 template <int START, class V>
-inline V reduce_tokens(V* x) {
-  if constexpr (START >= LOG2_VW) {
+__attribute__((always_inline)) inline V reduce_tokens(V* x) {
+  constexpr vi LO32{0, 8, 1, 9, 4, 12, 5, 13}, HI32{2, 10, 3, 11, 6, 14, 7, 15};  // vunpck{l,h}ps
+  constexpr vi LO64{0, 1, 8, 9, 4, 5, 12, 13}, HI64{2, 3, 10, 11, 6, 7, 14, 15};  // vunpck{l,h}pd
+  if constexpr (VW == 8 && START == 0) {
+    // t_i: tokens 2i, 2i+1 as [2i: lanes 0+2, 2i+1: 0+2, 2i: 1+3, 2i+1: 1+3 | the same of lanes 4-7]
+    V t[4];
+    for (int i = 0; i < 4; ++i)
+      t[i] = __builtin_shuffle(x[2 * i], x[2 * i + 1], LO32) + __builtin_shuffle(x[2 * i], x[2 * i + 1], HI32);
+    // u_j: tokens 4j..4j+3, their lanes 0-3 summed in the low half, 4-7 in the high half
+    const V u0 = __builtin_shuffle(t[0], t[1], LO64) + __builtin_shuffle(t[0], t[1], HI64);
+    const V u1 = __builtin_shuffle(t[2], t[3], LO64) + __builtin_shuffle(t[2], t[3], HI64);
+    return __builtin_shuffle(u0, u1, vi{0, 1, 2, 3, 8, 9, 10, 11}) +
+           __builtin_shuffle(u0, u1, vi{4, 5, 6, 7, 12, 13, 14, 15});
+  } else if constexpr (VW == 8 && START == 1) {  // x[i]: token 2i in the low half, 2i+1 in the high half
+    const V t0 = __builtin_shuffle(x[0], x[1], LO32) + __builtin_shuffle(x[0], x[1], HI32);
+    const V t1 = __builtin_shuffle(x[2], x[3], LO32) + __builtin_shuffle(x[2], x[3], HI32);
+    const V u = __builtin_shuffle(t0, t1, LO64) + __builtin_shuffle(t0, t1, HI64);  // tokens 0 2 4 6 | 1 3 5 7
+    return __builtin_shuffle(u, vi{0, 4, 1, 5, 2, 6, 3, 7});
+  } else if constexpr (START >= LOG2_VW) {
     return x[0];
   } else {
     constexpr vi lo = level_pattern<START>();
