@@ -46,15 +46,19 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   // cache.  The item's rows (codes and per-token / per-group parameters) are requested up front, keys first.
   if (sg.k.f.kind != FP) {
     prefetch_rows(sg.k.x, b, h, it.t0, n);
-    prefetch_rows(sg.k.scale, b, h, sg.k.f.kind == INT_CHANNEL ? it.t0 / std::max(sg.k.f.group, 1) : it.t0,
-                  sg.k.f.kind == INT_CHANNEL ? n / std::max(sg.k.f.group, 1) + 1 : n);
+    const int64_t kr0 = sg.k.f.kind == INT_CHANNEL ? it.t0 / std::max(sg.k.f.group, 1) : it.t0;
+    const int64_t krn = sg.k.f.kind == INT_CHANNEL ? n / std::max(sg.k.f.group, 1) + 1 : n;
+    prefetch_rows(sg.k.scale, b, h, kr0, krn);
+    prefetch_rows(sg.k.zero, b, h, kr0, krn);
     prefetch_rows(sg.v.x, b, h, it.t0, n);
     if (sg.v.f.kind == INT_TOKEN) prefetch_rows(sg.v.scale, b, h, it.t0, n);
+    if (sg.v.f.kind == INT_TOKEN) prefetch_rows(sg.v.zero, b, h, it.t0, n);
   }
+  const ValueAhead ahead(sg.v, b, h, it.t0);
   // scores: integer dot products where the build and the key format allow, else the float fast path, else generic
   bool fast_k = false;
 #if defined(KVSQ_INT_DOT)
-  fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, tp.A, tp.C, kpm.chan.data());
+  fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, tp.A, tp.C, kpm.chan.data(), ahead);
 #endif
   if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (!fast_k && DT > 0)  // rotated codebook keys: levels in registers (codebook_fast.h)

@@ -183,6 +183,36 @@ inline void prefetch_rows(const Part& x, int64_t b, int64_t h, int64_t r0, int64
   }
 }
 
+// A work item's value rows (codes, and per-token scales and zero points), requested while its key scores run, ahead
+// of the key being scored: with K/V coming from memory (a model's weights evict them between layers) the values
+// pass waited on them, the up-front prefetch_rows of the whole item notwithstanding (Zen 3, one layer at 8k read
+// from memory: 4-6% of the kivi-4 / kivi-2 / int8 step; a burst of line prefetches per block of tokens instead
+// gained nothing, and the rotated codebook scores got slower with it).  Never faults: prefetches are hints.
+struct ValueAhead {
+  const char* codes = nullptr;  // row t + CODES of the codes, at each scored token t
+  const char* scale = nullptr;  // rows t + PARAMS of the per-token parameters, once per block of tokens
+  const char* zero = nullptr;
+  int64_t csr = 0, psr = 0;
+  static constexpr int CODES = 32, PARAMS = 64;
+  ValueAhead(const Side& v, int64_t b, int64_t h, int64_t t0) {
+    if (v.f.kind == FP) return;
+    codes = v.x.row(b, h, t0);
+    csr = v.x.sr;
+    if (v.f.kind == INT_TOKEN) {
+      scale = v.scale.row(b, h, t0);
+      zero = v.zero.ptr ? v.zero.row(b, h, t0) : nullptr;
+      psr = v.scale.sr;
+    }
+  }
+  void token(int64_t t) const {
+    if (codes) __builtin_prefetch(codes + (t + CODES) * csr);
+  }
+  void block(int64_t t) const {
+    if (scale) __builtin_prefetch(scale + (t + PARAMS) * psr);
+    if (zero) __builtin_prefetch(zero + (t + PARAMS) * psr);
+  }
+};
+
 // n parameters of one stored row as float, the dtype switch hoisted out of the loop
 inline void load_row(at::ScalarType dt, const char* p, int n, float* __restrict out) {
   switch (dt) {

@@ -329,7 +329,7 @@ struct IntQuery {
 // Per-channel keys need t0 and the group aligned to VW tokens (a block of VW tokens shares one group).
 template <int DT, int BITS, int KIND, int RB>
 void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, float* s, int64_t s_stride,
-                const float* A, const float* C, const int* chan) {
+                const float* A, const float* C, const int* chan, const ValueAhead& ahead) {
   using L = IntLayout<DT, BITS>;
   static_assert(L::PAIRS_FIT, "int16 pair sums would overflow");
   constexpr uint8_t MASK = BITS >= 8 ? 0xFF : (1 << BITS) - 1;
@@ -379,6 +379,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       }
     }
     const int nb = std::min(VW, n - tb);
+    ahead.block(tb);
     vi buf[RB][NV];  // exact int32 lane sums, reduced as integers and converted once per VW tokens
     for (int v = 0; v < NV; ++v) {
       const int tok = tb + v * L::TPV;  // first token of this vector
@@ -396,6 +397,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
         base = gathered;
       }
       __builtin_prefetch(reinterpret_cast<const char*>(base) + PREFETCH_BYTES);
+      ahead.token(tok);
       for (int c = 0; c < L::VPT; ++c) {
         if constexpr (L::S16) {
           const ivec x = widen_s16(base + c * L::CB);
@@ -458,23 +460,23 @@ int int_bits(const Side& sd, int64_t t0) {
 
 template <int DT, int BITS, int KIND>
 void int_scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
-                     int64_t s_stride, const float* A, const float* C, const int* chan) {
+                     int64_t s_stride, const float* A, const float* C, const int* chan, const ValueAhead& ahead) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* qr = qs + r0 * DT;
     float* sr = s + r0 * s_stride;
     switch (rb) {
-      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
-      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
-      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
-      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan); break;
+      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
+      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
+      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
+      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
     }
   }
 }
 
 template <int DT>
 bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
-                    int64_t s_stride, float* A, float* C, const int* chan) {
+                    int64_t s_stride, float* A, float* C, const int* chan, const ValueAhead& ahead) {
   if constexpr (DT == 0) {
     return false;
   } else {
@@ -483,12 +485,12 @@ bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, con
     const bool ch = sd.f.kind == INT_CHANNEL;
     if (!ch) token_params(sd, b, h, t0, n, 1, A, C);
     switch (bits) {
-      case 2: ch ? int_scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
-                 : int_scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
-      case 4: ch ? int_scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
-                 : int_scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
-      default: ch ? int_scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan)
-                  : int_scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan); return true;
+      case 2: ch ? int_scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
+                 : int_scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
+      case 4: ch ? int_scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
+                 : int_scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
+      default: ch ? int_scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
+                  : int_scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
     }
   }
 }
