@@ -90,9 +90,9 @@ constexpr int LOG2_VW = VW == 16 ? 4 : 3;
 // Lane t of the result = the sum of token t's lanes, from level START on (x: VW >> START vectors, overwritten).
 // START > 0 serves integer dot products whose vectors hold 2^START tokens side by side (lanes [i VW / 2^START,
 // (i + 1) VW / 2^START) of vector v belong to token v 2^START + i), i.e. the layout level START leaves.
-// AVX2 (VW 8), START 0 and 1: the in-lane unpacks (one per cycle and pipe) take the first levels and one lane-crossing
-// step the last, where the two-input level patterns above were lane-crossing permutations at every level (vpermd,
-// vperm2i128: about one per cycle on Zen 3), 6 of the ~45 cycles a kivi-4 token and KV head took at 8k.
+// AVX2 (VW 8), START 0 and 1: in-lane unpacks take the first levels and one lane-crossing step the last, where the
+// two-input level patterns above compiled to lane-crossing permutations at every level (vpermd, vperm2i128; on Zen 3
+// a vpermd issues at a third of an unpack's rate): 8% of a kivi-4 layer's step at 8k.
 template <int START, class V>
 __attribute__((always_inline)) inline V reduce_tokens(V* x) {
   constexpr vi LO32{0, 8, 1, 9, 4, 12, 5, 13}, HI32{2, 10, 3, 11, 6, 14, 7, 15};  // vunpck{l,h}ps
