@@ -51,8 +51,10 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
     prefetch_rows(sg.k.scale, b, h, kr0, krn);
     prefetch_rows(sg.k.zero, b, h, kr0, krn);
     prefetch_rows(sg.v.x, b, h, it.t0, n);
-    if (sg.v.f.kind == INT_TOKEN) prefetch_rows(sg.v.scale, b, h, it.t0, n);
-    if (sg.v.f.kind == INT_TOKEN) prefetch_rows(sg.v.zero, b, h, it.t0, n);
+    if (sg.v.f.kind == INT_TOKEN) {
+      prefetch_rows(sg.v.scale, b, h, it.t0, n);
+      prefetch_rows(sg.v.zero, b, h, it.t0, n);
+    }
   }
   const ValueAhead ahead(sg.v, b, h, it.t0);
   // scores: integer dot products where the build and the key format allow, else the float fast path, else generic

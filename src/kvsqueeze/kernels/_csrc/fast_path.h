@@ -373,28 +373,26 @@ constexpr bool values_spill() {
 // A token's scale is folded into its probability, w_rt = p_rt a_tg, so a code costs one multiply-add per row, and
 // its zero term is one sum per row and group: acc += sum_t w_rt code_t + sum_t p_rt c_tg (the same arithmetic as the
 // reference up to float rounding; the codes are re-read from L1 per pass, 8-32 bytes per token).
-// ag[t] = A[t NG + g], cg[t] = C[t NG + g]: one group's per-token parameters as contiguous runs, with the common
-// group counts as compile-time strides (vectorised with lane permutations; a run-time stride loads lane by lane).
+// ag[t] = A[t ng + g], cg[t] = C[t ng + g]: one group's per-token parameters as contiguous runs, with the common
+// group counts as compile-time strides NG (vectorised with lane permutations; NG = 0: the run-time stride ng, loaded
+// lane by lane).
 template <int NG>
-inline void group_runs_of(const float* __restrict A, const float* __restrict C, int g, int n, float* __restrict ag,
-                          float* __restrict cg) {
+inline void group_runs_of(const float* __restrict A, const float* __restrict C, int ng, int g, int n,
+                          float* __restrict ag, float* __restrict cg) {
+  const int stride = NG ? NG : ng;
 #pragma omp simd
   for (int t = 0; t < n; ++t) {
-    ag[t] = A[t * NG + g];
-    cg[t] = C[t * NG + g];
+    ag[t] = A[t * stride + g];
+    cg[t] = C[t * stride + g];
   }
 }
 
-inline void group_runs(const float* A, const float* C, int NG, int g, int n, float* ag, float* cg) {
-  switch (NG) {
-    case 1: return group_runs_of<1>(A, C, g, n, ag, cg);
-    case 2: return group_runs_of<2>(A, C, g, n, ag, cg);
-    case 4: return group_runs_of<4>(A, C, g, n, ag, cg);
-    default:
-      for (int t = 0; t < n; ++t) {
-        ag[t] = A[t * NG + g];
-        cg[t] = C[t * NG + g];
-      }
+inline void group_runs(const float* A, const float* C, int ng, int g, int n, float* ag, float* cg) {
+  switch (ng) {
+    case 1: return group_runs_of<1>(A, C, ng, g, n, ag, cg);
+    case 2: return group_runs_of<2>(A, C, ng, g, n, ag, cg);
+    case 4: return group_runs_of<4>(A, C, ng, g, n, ag, cg);
+    default: return group_runs_of<0>(A, C, ng, g, n, ag, cg);
   }
 }
 
