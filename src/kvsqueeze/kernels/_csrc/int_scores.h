@@ -230,8 +230,8 @@ struct IntQuery {
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // The same two parts eight lanes at a time, packed to bytes in registers (the scalar build below went through
-  // int32 arrays on the stack: a fifth of the AVX2 key scores at 32-token key groups); U % 32 == 0, so each
-  // vector's bytes are one 32-byte run of a part, copied as in the scalar build.
+  // int32 arrays on the stack: a fifth of the AVX2 key scores at 32-token key groups, two fifths at 2 bits); U % 16 ==
+  // 0, so each vector's bytes are one 32-byte run of a part, or a 16-byte run per token, copied as in the scalar build.
   void set_parts_avx2(int r, const float* q, float inv) {
     alignas(32) int8_t part[2][DT];
     const __m256 s256 = _mm256_set1_ps(inv * 256.f);
@@ -250,11 +250,13 @@ struct IntQuery {
       _mm256_store_si256(reinterpret_cast<__m256i*>(part[0] + p), bytes(hi));
       _mm256_store_si256(reinterpret_cast<__m256i*>(part[1] + p), bytes(lo));
     }
+    constexpr int RUN = std::min(IB, U);  // rows shorter than a vector (2-bit codes at head_dim 64): one run per token
     for (int k = 0; k < L::per; ++k)
-      for (int c = 0; c < L::VPT; ++c) {
-        std::memcpy(q8[r][0][k][c], part[0] + k * U + c * IB, IB);
-        std::memcpy(q8[r][1][k][c], part[1] + k * U + c * IB, IB);
-      }
+      for (int c = 0; c < L::VPT; ++c)
+        for (int i = 0; i < L::TPV; ++i) {
+          std::memcpy(&q8[r][0][k][c][i * RUN], part[0] + k * U + c * IB, RUN);
+          std::memcpy(&q8[r][1][k][c][i * RUN], part[1] + k * U + c * IB, RUN);
+        }
   }
 #endif
 
@@ -295,7 +297,7 @@ struct IntQuery {
       } else if constexpr (IB == 64 && U % 16 == 0) {
         set_parts_avx512(r, q, inv);
 #elif defined(__AVX2__)
-      } else if constexpr (IB == 32 && U % 32 == 0) {
+      } else if constexpr (IB == 32 && U % 16 == 0) {
         set_parts_avx2(r, q, inv);
 #endif
       } else {
@@ -346,6 +348,10 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       qsum[r] = z;
     }
   }
+  alignas(64) float qn[KIND == INT_CHANNEL ? RB * DT : 1];  // per-channel keys: the query rows in natural order
+  if constexpr (KIND == INT_CHANNEL)
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < DT; ++i) qn[r * DT + chan[i]] = qs[r * DT + i];
   int64_t next = -1;  // first token of the next per-channel group
   const bool contiguous = sd.x.sr == L::RBY;
   // the item's first row and the row stride, read once: sd's fields are re-read after every store (they might
@@ -360,18 +366,20 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       if (t0 + tb >= next) {  // fold the group's (scale, zero) into the query and quantize it
         const int64_t grow = (t0 + tb) / sd.f.group;
         next = (grow + 1) * sd.f.group;
-        float a[DT], c[DT], qe[RB * DT];
+        // the scales in the query's field-major order; the zero points' term q . c needs no order (qn: natural)
+        float an[DT], cn[DT], a[DT], qe[RB * DT];
+        affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
 #if defined(KVSQ_CHAN_GATHER)
-        channel_params(sd, b, h, grow, DT, a, c, [&gather](const float* in, float* out) { gather.apply(in, out); });
+        gather.apply(an, a);
 #else
-        channel_params(sd, b, h, grow, chan, DT, a, c);
+        for (int i = 0; i < DT; ++i) a[i] = an[chan[i]];
 #endif
         for (int r = 0; r < RB; ++r) {  // (an omp simd sum compiled to VW dependent scalar adds per row)
           vf z = vf{};
           for (int i = 0; i < DT / VW; ++i) {
             const vf qv = loadf(qs + r * DT + VW * i);
             storef(qe + r * DT + VW * i, qv * loadf(a + VW * i));
-            z += qv * loadf(c + VW * i);
+            z += loadf(qn + r * DT + VW * i) * loadf(cn + VW * i);
           }
           cst[r] = sum_lanes(z);
         }
