@@ -94,11 +94,12 @@ def require_triton_runtime() -> None:
         pytest.skip("no GPU and the interpreter is off")
 
 
-# The C++ kernel's integer key scores round the query to ~15 bits (two int8 parts, or int16 for 8-bit codes): on
-# these O(1) outputs that moves results by up to ~2.2e-4 (measured over this table), against float32 rounding
-# (< 5e-6) elsewhere; test_integer_scores_add_a_small_share_of_the_quantization_error bounds it against each
-# format's own error.
-INT_DOT_ATOL = 4e-4
+# The C++ kernel's integer key scores round the query to ~15 bits (AVX-512: two int8 parts; AVX2 and 8-bit codes:
+# int16; the same step either way): on these O(1) outputs that moves results by up to ~5.5e-4 (measured over this
+# table: 2-bit keys at head_dim 256, int16 query; two int8 parts gave 2.9e-4 on the same case and more on others),
+# against float32 rounding (< 5e-6) elsewhere; test_integer_scores_add_a_small_share_of_the_quantization_error
+# bounds it against each format's own error.
+INT_DOT_ATOL = 8e-4
 
 
 def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new: int,

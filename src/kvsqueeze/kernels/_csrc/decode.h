@@ -8,7 +8,7 @@ struct Ctx {
   int D;
   int64_t Hkv, rep, R, NI, W, chunk;
   const float* qprep;  // [B * Hkv, NF, R, D]: a head's query rows per format, scaled, in its keys' field-major order
-  const float* qnat;   // [B * Hkv, R, D]: rotated-codebook keys' query rows (q R), scaled, in natural order
+  const float* qnat;   // [B * Hkv, NF, R, D]: the same rows in natural order (rotated codebook keys: q R)
   int64_t NF;
   const std::vector<Seg>* segs;
   const std::vector<Item>* items;
@@ -39,6 +39,7 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   const Perm& vpm = (*cx.vperm)[sg.fmt];
   float* pw = cx.part + w * R * W;
   const float* qs = cx.qprep + (bh * cx.NF + sg.fmt) * R * D;
+  const float* qn = cx.qnat + (bh * cx.NF + sg.fmt) * R * D;
   float* s = sc.s.data();
   const TokenParams tp{sc.pa.data(), sc.pc.data(), sc.wt.data()};
   // Packed items are short streams (kivi-4: 8 KiB of key codes, 8 KiB of values, 4 KiB of parameters per 256 tokens)
@@ -60,11 +61,11 @@ void run_item(const Ctx& cx, int64_t w, Scratch& sc) {
   // scores: integer dot products where the build and the key format allow, else the float fast path, else generic
   bool fast_k = false;
 #if defined(KVSQ_INT_DOT)
-  fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, tp.A, tp.C, kpm.chan.data(), ahead);
+  fast_k = try_int_scores<DT>(sg.k, b, h, it.t0, n, qs, qn, R, s, chunk, tp.A, tp.C, kpm.chan.data(), ahead);
 #endif
   if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, it.t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (!fast_k && DT > 0)  // rotated codebook keys: levels in registers (codebook_fast.h)
-    fast_k = try_cb_scores<DT>(sg.k, b, h, it.t0, n, cx.qnat + bh * R * D, R, s, chunk, tp.A);
+    fast_k = try_cb_scores<DT>(sg.k, b, h, it.t0, n, qn, R, s, chunk, tp.A);
   if (fast_k) {
   } else if (sg.k.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
@@ -301,17 +302,19 @@ at::Tensor attend(const at::Tensor& q, const KernelPlan& plan, int64_t chunk) {
   // every item of a head reads the same query rows: prepared once per (batch, kv head, format), not per item
   const int64_t NF = static_cast<int64_t>(kperm.size());
   std::vector<float> qprep(static_cast<size_t>(B * Hkv * NF * R * D));
-  std::vector<float> qnat(kcb ? static_cast<size_t>(B * Hkv * R * D) : 0);
+  std::vector<float> qnat(qprep.size());
   for (int64_t bh = 0; bh < B * Hkv; ++bh)
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = (((bh / Hkv) * Hq + (bh % Hkv) * rep + r / Lq) * Lq + r % Lq) * D;
       for (int64_t f = 0; f < NF; ++f) {
         const float* src = (g.kcb[f] ? qrot.data() : qp) + row;
         float* dst = qprep.data() + ((bh * NF + f) * R + r) * D;
-        for (int j = 0; j < D; ++j) dst[j] = src[kperm[f].chan[j]] * static_cast<float>(scaling);
+        float* nat = qnat.data() + ((bh * NF + f) * R + r) * D;
+        for (int j = 0; j < D; ++j) {
+          dst[j] = src[kperm[f].chan[j]] * static_cast<float>(scaling);
+          nat[j] = src[j] * static_cast<float>(scaling);
+        }
       }
-      if (kcb)
-        for (int j = 0; j < D; ++j) qnat[(bh * R + r) * D + j] = qrot[row + j] * static_cast<float>(scaling);
     }
 
   Ctx cx{B, Hq, Lq, D, Hkv, rep, R, NI, W, chunk, qprep.data(), qnat.data(), NF, &segs, &items, &kperm, &vperm,

@@ -3,13 +3,14 @@
 // The float path converts every key code to float and spends one multiply-add per code and query row; at 2-4 bits
 // that arithmetic, not the bytes read, bounded the decode step.  Here each query row is quantized once (per key
 // group for per-channel keys, whose (scale, zero) fold into it first) and the packed codes are multiplied as bytes:
-//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2: vpmaddubsw + vpaddw, int16 pair sums widened
-//                  by one vpmaddwd per row and query part), one multiply per 64 (32) codes of one field and query
-//                  part, the fields split from the packed bytes by a shift and a mask.  The query is two int8 parts,
-//                  round(q / sq) and the remainder in 1/256ths, combined as hi * 256 + lo before the lanes are
-//                  summed: one int8 part alone added ~20% to the 4-bit keys' own score error (measured against the
-//                  reference), two add ~0.1%.  AVX2, 4-bit codes: the code bytes zero-extended to int16 x one
-//                  15-bit query part (vpmaddwd; IntLayout::U16), the same bound in fewer instructions;
+//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2 layouts outside IntLayout::U16: vpmaddubsw +
+//                  vpaddw, int16 pair sums widened by one vpmaddwd per row and query part), one multiply per 64 (32)
+//                  codes of one field and query part, the fields split from the packed bytes by a shift and a mask.
+//                  The query is two int8 parts, round(q / sq) and the remainder in 1/256ths, combined as hi * 256 +
+//                  lo before the lanes are summed: one int8 part alone added ~20% to the 4-bit keys' own score error
+//                  (measured against the reference), two add ~0.1%.  AVX2 (every compiled head_dim): the code bytes
+//                  zero-extended to int16 x one 15-bit query part (vpmaddwd; IntLayout::U16), the same bound in
+//                  fewer instructions;
 //   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
 // Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
 //   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
@@ -176,10 +177,13 @@ struct IntLayout {
   // AVX2's int16 pair sums of one row: VPT vectors x per fields x 2 codes x the largest code x 128 (|query part|)
   // (AVX-512 sums into int32 lanes)
   static constexpr bool PAIRS_FIT = S16 || IB == 64 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
-  // AVX2, 4-bit codes filling whole vectors: the code bytes zero-extended to int16 against a 15-bit query
-  // (vpmaddwd), one query part: per 32 codes 2 unpacks shared by the rows and 2 multiplies per row, where the two
-  // int8 parts took 2 multiplies and 2 adds per row, and no widening of pair sums.  Same rounding bound.
-  static constexpr bool U16 = IB == 32 && BITS == 4 && TPV == 1;
+  // AVX2, 2/4-bit codes: the code bytes zero-extended to int16 against a 15-bit query (vpmaddwd), one query part:
+  // per 32 codes 2 unpacks shared by the rows and 2 multiplies per row, where the two int8 parts took 2 multiplies
+  // and 2 adds per row, and no widening of pair sums.  Same rounding bound.  At 2 bits the token loop costs the same
+  // either way, but the per-group fold builds one part instead of two: rows of 2-bit codes at head_dim 64 (16
+  // bytes, two tokens per vector) have every 32-token key group re-quantize the query, which was a sixth of a
+  // kivi-2 layer's step.
+  static constexpr bool U16 = IB == 32 && (BITS == 2 || BITS == 4) && TPV <= 2;
 };
 
 // Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
@@ -228,37 +232,6 @@ struct IntQuery {
   }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-  // The same two parts eight lanes at a time, packed to bytes in registers (the scalar build below went through
-  // int32 arrays on the stack: a fifth of the AVX2 key scores at 32-token key groups, two fifths at 2 bits); U % 16 ==
-  // 0, so each vector's bytes are one 32-byte run of a part, or a 16-byte run per token, copied as in the scalar build.
-  void set_parts_avx2(int r, const float* q, float inv) {
-    alignas(32) int8_t part[2][DT];
-    const __m256 s256 = _mm256_set1_ps(inv * 256.f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' per-128-bit-lane order
-    for (int p = 0; p < DT; p += 32) {
-      __m256i hi[4], lo[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256i x = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(q + p + 8 * i), s256));
-        hi[i] = _mm256_srai_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(128)), 8);
-        lo[i] = _mm256_sub_epi32(x, _mm256_slli_epi32(hi[i], 8));
-      }
-      auto bytes = [&](const __m256i* v) {  // [-128, 127]: the packs never saturate
-        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-        return _mm256_permutevar8x32_epi32(w, order);
-      };
-      _mm256_store_si256(reinterpret_cast<__m256i*>(part[0] + p), bytes(hi));
-      _mm256_store_si256(reinterpret_cast<__m256i*>(part[1] + p), bytes(lo));
-    }
-    constexpr int RUN = std::min(IB, U);  // rows shorter than a vector (2-bit codes at head_dim 64): one run per token
-    for (int k = 0; k < L::per; ++k)
-      for (int c = 0; c < L::VPT; ++c)
-        for (int i = 0; i < L::TPV; ++i) {
-          std::memcpy(&q8[r][0][k][c][i * RUN], part[0] + k * U + c * IB, RUN);
-          std::memcpy(&q8[r][1][k][c][i * RUN], part[1] + k * U + c * IB, RUN);
-        }
-  }
-#endif
 
   void set(const float* qe) {
     constexpr float QMAX8 = 127.f;
@@ -275,12 +248,14 @@ struct IntQuery {
       const float inv = m > 0.f ? qmax / m : 0.f;
       if constexpr (L::U16) {
 #if defined(__AVX2__) && !defined(__AVX512F__)
-        // byte j of field k's vector c is position k U + 32 c + j; the halves as bytes_to_s16 orders them:
-        // packs of positions (p..p+7, p+16..p+23) give quads (p, p+16, p+4, p+20), put in order by one vpermq
+        // byte j of field k's vector c is position k U + 32 c + j (two tokens per vector, U = 16: position k U + j
+        // in each 128-bit lane); the halves as bytes_to_s16 orders them: packs of positions (p..p+7, p'..p'+7) give
+        // quads (p, p', p+4, p'+4), put in order by one vpermq (p' = p + 16, or p itself for two tokens)
         const __m256 sc = _mm256_set1_ps(inv);
+        constexpr int LANE1 = L::TPV == 2 ? 0 : 16;
         auto half = [&](const float* x) {
           const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), sc));
-          const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), sc));
+          const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + LANE1), sc));
           return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
         };
         for (int k = 0; k < L::per; ++k)
@@ -296,9 +271,6 @@ struct IntQuery {
 #if defined(__AVX512F__)
       } else if constexpr (IB == 64 && U % 16 == 0) {
         set_parts_avx512(r, q, inv);
-#elif defined(__AVX2__)
-      } else if constexpr (IB == 32 && U % 16 == 0) {
-        set_parts_avx2(r, q, inv);
 #endif
       } else {
         alignas(64) int32_t h32[DT], l32[DT];
@@ -327,11 +299,12 @@ struct IntQuery {
   }
 };
 
-// Scores of RB query rows (qs: field-major order, scaled) against tokens [t0, t0+n) of an integer key side.
+// Scores of RB query rows (qs: field-major order, scaled; qn: the same rows in natural order) against tokens
+// [t0, t0+n) of an integer key side.
 // Per-channel keys need t0 and the group aligned to VW tokens (a block of VW tokens shares one group).
 template <int DT, int BITS, int KIND, int RB>
-void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, float* s, int64_t s_stride,
-                const float* A, const float* C, const int* chan, const ValueAhead& ahead) {
+void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, const float* qn, float* s,
+                int64_t s_stride, const float* A, const float* C, const int* chan, const ValueAhead& ahead) {
   using L = IntLayout<DT, BITS>;
   static_assert(L::PAIRS_FIT, "int16 pair sums would overflow");
   constexpr uint8_t MASK = BITS >= 8 ? 0xFF : (1 << BITS) - 1;
@@ -348,10 +321,6 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       qsum[r] = z;
     }
   }
-  alignas(64) float qn[KIND == INT_CHANNEL ? RB * DT : 1];  // per-channel keys: the query rows in natural order
-  if constexpr (KIND == INT_CHANNEL)
-    for (int r = 0; r < RB; ++r)
-      for (int i = 0; i < DT; ++i) qn[r * DT + chan[i]] = qs[r * DT + i];
   int64_t next = -1;  // first token of the next per-channel group
   const bool contiguous = sd.x.sr == L::RBY;
   // the item's first row and the row stride, read once: sd's fields are re-read after every store (they might
@@ -467,24 +436,27 @@ int int_bits(const Side& sd, int64_t t0) {
 }
 
 template <int DT, int BITS, int KIND>
-void int_scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
-                     int64_t s_stride, const float* A, const float* C, const int* chan, const ValueAhead& ahead) {
+void int_scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, const float* qn,
+                     int64_t R, float* s, int64_t s_stride, const float* A, const float* C, const int* chan,
+                     const ValueAhead& ahead) {
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* qr = qs + r0 * DT;
+    const float* qnr = qn + r0 * DT;
     float* sr = s + r0 * s_stride;
     switch (rb) {
-      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
-      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
-      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
-      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, A, C, chan, ahead); break;
+      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
+      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
+      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
+      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
     }
   }
 }
 
 template <int DT>
-bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, int64_t R, float* s,
-                    int64_t s_stride, float* A, float* C, const int* chan, const ValueAhead& ahead) {
+bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qs, const float* qn,
+                    int64_t R, float* s, int64_t s_stride, float* A, float* C, const int* chan,
+                    const ValueAhead& ahead) {
   if constexpr (DT == 0) {
     return false;
   } else {
@@ -493,12 +465,12 @@ bool try_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, con
     const bool ch = sd.f.kind == INT_CHANNEL;
     if (!ch) token_params(sd, b, h, t0, n, 1, A, C);
     switch (bits) {
-      case 2: ch ? int_scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
-                 : int_scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
-      case 4: ch ? int_scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
-                 : int_scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
-      default: ch ? int_scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead)
-                  : int_scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, qs, R, s, s_stride, A, C, chan, ahead); return true;
+      case 2: ch ? int_scores_rows<DT, 2, INT_CHANNEL>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead)
+                 : int_scores_rows<DT, 2, INT_TOKEN>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead); return true;
+      case 4: ch ? int_scores_rows<DT, 4, INT_CHANNEL>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead)
+                 : int_scores_rows<DT, 4, INT_TOKEN>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead); return true;
+      default: ch ? int_scores_rows<DT, 8, INT_CHANNEL>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead)
+                  : int_scores_rows<DT, 8, INT_TOKEN>(sd, b, h, t0, n, qs, qn, R, s, s_stride, A, C, chan, ahead); return true;
     }
   }
 }
