@@ -321,7 +321,6 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       qsum[r] = z;
     }
   }
-  int64_t next = -1;  // first token of the next per-channel group
   const bool contiguous = sd.x.sr == L::RBY;
   // the item's first row and the row stride, read once: sd's fields are re-read after every store (they might
   // alias), and the three multiplies of row() per token were a sixth of the token loop
@@ -330,93 +329,96 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
 #if defined(KVSQ_CHAN_GATHER)
   const ChanGather<DT>& gather = chan_gather<DT>(chan);
 #endif
-  for (int tb = 0; tb < n; tb += VW) {
-    if constexpr (KIND == INT_CHANNEL) {
-      if (t0 + tb >= next) {  // fold the group's (scale, zero) into the query and quantize it
-        const int64_t grow = (t0 + tb) / sd.f.group;
-        next = (grow + 1) * sd.f.group;
-        // the scales in the query's field-major order; the zero points' term q . c needs no order (qn: natural)
-        float an[DT], cn[DT], a[DT], qe[RB * DT];
-        affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
+  // per-channel keys: one run of blocks per key group, the group's fold before it (a fold test in every block kept
+  // the block loop's registers across the fold's code)
+  for (int tb = 0; tb < n;) {
+    int tend = n;
+    if constexpr (KIND == INT_CHANNEL) {  // fold the group's (scale, zero) into the query and quantize it
+      const int64_t grow = (t0 + tb) / sd.f.group;
+      tend = static_cast<int>(std::min<int64_t>(n, (grow + 1) * sd.f.group - t0));
+      // the scales in the query's field-major order; the zero points' term q . c needs no order (qn: natural)
+      float an[DT], cn[DT], a[DT], qe[RB * DT];
+      affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
 #if defined(KVSQ_CHAN_GATHER)
-        gather.apply(an, a);
+      gather.apply(an, a);
 #else
-        for (int i = 0; i < DT; ++i) a[i] = an[chan[i]];
+      for (int i = 0; i < DT; ++i) a[i] = an[chan[i]];
 #endif
-        for (int r = 0; r < RB; ++r) {  // (an omp simd sum compiled to VW dependent scalar adds per row)
-          vf z = vf{};
-          for (int i = 0; i < DT / VW; ++i) {
-            const vf qv = loadf(qs + r * DT + VW * i);
-            storef(qe + r * DT + VW * i, qv * loadf(a + VW * i));
-            z += loadf(qn + r * DT + VW * i) * loadf(cn + VW * i);
-          }
-          cst[r] = sum_lanes(z);
+      for (int r = 0; r < RB; ++r) {  // (an omp simd sum compiled to VW dependent scalar adds per row)
+        vf z = vf{};
+        for (int i = 0; i < DT / VW; ++i) {
+          const vf qv = loadf(qs + r * DT + VW * i);
+          storef(qe + r * DT + VW * i, qv * loadf(a + VW * i));
+          z += loadf(qn + r * DT + VW * i) * loadf(cn + VW * i);
         }
-        iq.set(qe);
+        cst[r] = sum_lanes(z);
       }
+      iq.set(qe);
     }
-    const int nb = std::min(VW, n - tb);
-    ahead.block(tb);
-    vi buf[RB][NV];  // exact int32 lane sums, reduced as integers and converted once per VW tokens
-    for (int v = 0; v < NV; ++v) {
-      const int tok = tb + v * L::TPV;  // first token of this vector
-      ivec acc[RB], low[RB];
-      for (int r = 0; r < RB; ++r) acc[r] = low[r] = izero();
-      alignas(64) uint8_t gathered[IB];
-      const uint8_t* base;
-      if (L::TPV == 1) {
-        base = tok < n ? row0 + tok * sr : zeros;
-      } else if (contiguous && tok + L::TPV <= n) {
-        base = row0 + tok * sr;
-      } else {  // rows apart in memory, or past the end: gathered (missing rows as zeros, their sums unused)
-        for (int i = 0; i < L::TPV; ++i)
-          std::memcpy(gathered + i * L::RBY, tok + i < n ? row0 + (tok + i) * sr : zeros, L::RBY);
-        base = gathered;
-      }
-      __builtin_prefetch(reinterpret_cast<const char*>(base) + PREFETCH_BYTES);
-      ahead.token(tok);
-      for (int c = 0; c < L::VPT; ++c) {
-        if constexpr (L::S16) {
-          const ivec x = widen_s16(base + c * L::CB);
-          for (int r = 0; r < RB; ++r) acc[r] = dot_s16(acc[r], x, iload(iq.q16[r] + c * L::CB));
-        } else if constexpr (L::U16) {
-          const ivec x = iload(base + c * IB);
-          [&]<int... K>(std::integer_sequence<int, K...>) {
-            (([&] {
-               ivec lo, hi;
-               bytes_to_s16(field_bytes<K * BITS>(x, MASK), lo, hi);
-               for (int r = 0; r < RB; ++r)
-                 acc[r] = dot_s16(dot_s16(acc[r], lo, iload(iq.q4[r][K][c][0])), hi, iload(iq.q4[r][K][c][1]));
-             }()), ...);
-          }(std::make_integer_sequence<int, L::per>{});
-        } else {
-          const ivec x = iload(base + c * IB);
-          [&]<int... K>(std::integer_sequence<int, K...>) {
-            (([&] {
-               const ivec f = field_bytes<K * BITS>(x, MASK);
-               for (int r = 0; r < RB; ++r) {
-                 acc[r] = dot_u8s8(acc[r], f, iload(iq.q8[r][0][K][c]));
-                 low[r] = dot_u8s8(low[r], f, iload(iq.q8[r][1][K][c]));
-               }
-             }()), ...);
-          }(std::make_integer_sequence<int, L::per>{});
+    for (; tb < tend; tb += VW) {
+      const int nb = std::min(VW, n - tb);
+      ahead.block(tb);
+      vi buf[RB][NV];  // exact int32 lane sums, reduced as integers and converted once per VW tokens
+      for (int v = 0; v < NV; ++v) {
+        const int tok = tb + v * L::TPV;  // first token of this vector
+        ivec acc[RB], low[RB];
+        for (int r = 0; r < RB; ++r) acc[r] = low[r] = izero();
+        alignas(64) uint8_t gathered[IB];
+        const uint8_t* base;
+        if (L::TPV == 1) {
+          base = tok < n ? row0 + tok * sr : zeros;
+        } else if (contiguous && tok + L::TPV <= n) {
+          base = row0 + tok * sr;
+        } else {  // rows apart in memory, or past the end: gathered (missing rows as zeros, their sums unused)
+          for (int i = 0; i < L::TPV; ++i)
+            std::memcpy(gathered + i * L::RBY, tok + i < n ? row0 + (tok + i) * sr : zeros, L::RBY);
+          base = gathered;
+        }
+        __builtin_prefetch(reinterpret_cast<const char*>(base) + PREFETCH_BYTES);
+        ahead.token(tok);
+        for (int c = 0; c < L::VPT; ++c) {
+          if constexpr (L::S16) {
+            const ivec x = widen_s16(base + c * L::CB);
+            for (int r = 0; r < RB; ++r) acc[r] = dot_s16(acc[r], x, iload(iq.q16[r] + c * L::CB));
+          } else if constexpr (L::U16) {
+            const ivec x = iload(base + c * IB);
+            [&]<int... K>(std::integer_sequence<int, K...>) {
+              (([&] {
+                 ivec lo, hi;
+                 bytes_to_s16(field_bytes<K * BITS>(x, MASK), lo, hi);
+                 for (int r = 0; r < RB; ++r)
+                   acc[r] = dot_s16(dot_s16(acc[r], lo, iload(iq.q4[r][K][c][0])), hi, iload(iq.q4[r][K][c][1]));
+               }()), ...);
+            }(std::make_integer_sequence<int, L::per>{});
+          } else {
+            const ivec x = iload(base + c * IB);
+            [&]<int... K>(std::integer_sequence<int, K...>) {
+              (([&] {
+                 const ivec f = field_bytes<K * BITS>(x, MASK);
+                 for (int r = 0; r < RB; ++r) {
+                   acc[r] = dot_u8s8(acc[r], f, iload(iq.q8[r][0][K][c]));
+                   low[r] = dot_u8s8(low[r], f, iload(iq.q8[r][1][K][c]));
+                 }
+               }()), ...);
+            }(std::make_integer_sequence<int, L::per>{});
+          }
+        }
+        for (int r = 0; r < RB; ++r) {
+          const ivec x = L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]);
+          std::memcpy(&buf[r][v], &x, sizeof(x));
         }
       }
       for (int r = 0; r < RB; ++r) {
-        const ivec x = L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]);
-        std::memcpy(&buf[r][v], &x, sizeof(x));
-      }
-    }
-    for (int r = 0; r < RB; ++r) {
-      const vf dots = __builtin_convertvector(reduce_tokens<L::START>(buf[r]), vf);
-      const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
-                                        : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
-      if (nb == VW) {  // a variable-length copy here compiled to rep movsq and took a sixth of the kernel
-        storef(s + r * s_stride + tb, sv);
-      } else {
-        float out[VW];
-        storef(out, sv);
-        std::memcpy(s + r * s_stride + tb, out, sizeof(float) * nb);
+        const vf dots = __builtin_convertvector(reduce_tokens<L::START>(buf[r]), vf);
+        const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
+                                          : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
+        if (nb == VW) {  // a variable-length copy here compiled to rep movsq and took a sixth of the kernel
+          storef(s + r * s_stride + tb, sv);
+        } else {
+          float out[VW];
+          storef(out, sv);
+          std::memcpy(s + r * s_stride + tb, out, sizeof(float) * nb);
+        }
       }
     }
   }
