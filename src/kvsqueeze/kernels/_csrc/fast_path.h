@@ -179,7 +179,8 @@ inline vf field_in_place(const vi& bytes, int k) {
 }
 template <int BITS>
 inline float in_place_scale(int k) {
-  return BITS >= 8 ? 1.f : 1.f / static_cast<float>(1 << (k * (BITS >= 8 ? 0 : BITS)));
+  if constexpr (BITS >= 8) return 1.f;
+  else return 1.f / static_cast<float>(1 << (k * BITS));
 }
 
 // BITS == 32: float32 rows.  Row vector index k*UB + h holds field k of units [VW h, VW h + VW): the field-major

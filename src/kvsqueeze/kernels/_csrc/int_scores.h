@@ -232,7 +232,6 @@ struct IntQuery {
   }
 #endif
 
-
   void set(const float* qe) {
     constexpr float QMAX8 = 127.f;
     // int32 lane sums must not overflow: DT codes of 255 times the largest int16 query value
