@@ -270,23 +270,20 @@ inline void token_params(const Side& sd, int64_t b, int64_t h, int64_t t0, int n
                C + t * NG);
 }
 
-// Per-channel layouts: (a, c) of token-group row ``grow``, put into field-major order by ``order(in, out)``
-// (out[i] = in[chan[i]]; int_scores.h passes a lane-permutation version on AVX-512).
-template <class Order>
-inline void channel_params(const Side& sd, int64_t b, int64_t h, int64_t grow, int D, float* a, float* c,
-                           const Order& order) {
-  float an[512], cn[512];  // D <= 512 is checked at entry
-  affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), D, an, cn);
-  order(an, a);
-  order(cn, c);
+// Per-channel layouts: (a, c) of token-group row ``grow`` in natural channel order.
+inline void channel_row(const Side& sd, int64_t b, int64_t h, int64_t grow, int D, float* a, float* c) {
+  affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), D, a, c);
 }
 
-// The same, gathered one float at a time by the field-major order ``chan``.
+// The same, gathered one float at a time into the field-major order ``chan`` (out[i] = in[chan[i]]).
 inline void channel_params(const Side& sd, int64_t b, int64_t h, int64_t grow, const int* chan, int D, float* a,
                            float* c) {
-  channel_params(sd, b, h, grow, D, a, c, [chan, D](const float* in, float* out) {
-    for (int i = 0; i < D; ++i) out[i] = in[chan[i]];
-  });
+  float an[512], cn[512];  // D <= 512 is checked at entry
+  channel_row(sd, b, h, grow, D, an, cn);
+  for (int i = 0; i < D; ++i) {
+    a[i] = an[chan[i]];
+    c[i] = cn[chan[i]];
+  }
 }
 
 template <int RUN>

@@ -337,7 +337,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
       tend = static_cast<int>(std::min<int64_t>(n, (grow + 1) * sd.f.group - t0));
       // the scales in the query's field-major order; the zero points' term q . c needs no order (qn: natural)
       float an[DT], cn[DT], a[DT], qe[RB * DT];
-      affine_row(sd, sd.scale.row(b, h, grow), sd.f.sym ? nullptr : sd.zero.row(b, h, grow), DT, an, cn);
+      channel_row(sd, b, h, grow, DT, an, cn);
 #if defined(KVSQ_CHAN_GATHER)
       gather.apply(an, a);
 #else
