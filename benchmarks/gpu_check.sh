@@ -9,8 +9,9 @@
 #                        sweep; empty: the module's own), E2E_CONTEXT (32768), E2E_BATCH (8), E2E_CHUNK (prefill
 #                        chunk, 0 = one pass), E2E_BUDGET (60GiB: capacity projected at E2E_CONTEXT),
 #                        E2E_LAYERS (all), E2E_CACHES ("hf-dynamic kivi-4 kivi-2"),
-#                        COMPILED_CONTEXT (8192), COMPILED_LAYERS (all), SHAPE (llama-3.1-8b), XDIST (8 test workers),
-#                        TESTS_TIMEOUT (240 s)
+#                        COMPILED_CONTEXT (8192), COMPILED_LAYERS (all), COMPILED_KVS (the batch-1 runs, comma-separated:
+#                        "hf-static --compile,kivi-4 --compile,kivi-4"), COMPILED_TIMEOUT (240 s each),
+#                        SHAPE (llama-3.1-8b), XDIST (8 test workers), TESTS_TIMEOUT (240 s)
 #   the device's per-call limit is 600 s: a call that ran out can go on with e.g. PARTS="e2e compiled"
 set -u
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ E2E_CHUNK=${E2E_CHUNK:-0}
 E2E_BUDGET=${E2E_BUDGET:-60GiB}  # GPU memory for caches and activations: the largest batch of E2E_CONTEXT tokens
 E2E_CACHES=${E2E_CACHES:-"hf-dynamic kivi-4 kivi-2"}
 COMPILED_CONTEXT=${COMPILED_CONTEXT:-8192}
+COMPILED_KVS=${COMPILED_KVS:-"hf-static --compile,kivi-4 --compile,kivi-4"}
 SHAPE=${SHAPE:-llama-3.1-8b}
 LAYERS=${E2E_LAYERS:+--layers $E2E_LAYERS}
 CLAYERS=${COMPILED_LAYERS:+--layers $COMPILED_LAYERS}
@@ -74,10 +76,11 @@ fi
 if part compiled; then
 echo "== batch 1, context $COMPILED_CONTEXT: compiled bf16 StaticCache (CUDA graphs) against kivi-4 compiled as"
 echo "   StaticQuantizedCache (CUDA graphs over static_attend_graphed) and kivi-4 eager"
-for kv in "hf-static --compile" "kivi-4 --compile" kivi-4; do
+IFS=, read -r -a runs <<< "$COMPILED_KVS"
+for kv in "${runs[@]}"; do
   name=${kv// /}
   # shellcheck disable=SC2086
-  timeout 240 python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $CLAYERS --kv $kv \
+  timeout "${COMPILED_TIMEOUT:-240}" python3 -m kvsqueeze speed --device cuda --random-weights "$SHAPE" $CLAYERS --kv $kv \
     --context "$COMPILED_CONTEXT" --batch 1 --decode-tokens 32 --json "$OUT/speed_b1_$name.json" 2>&1 \
     | tee "$OUT/speed_b1_$name.txt" | grep -E "decode|attention path|error"
 done

@@ -153,6 +153,18 @@ def fast_encoder(fmt, x: torch.Tensor, into=None):
     return triton_pack.encode(fmt, x, into)
 
 
+def ring_encoder(fmt, ring: torch.Tensor, parts: dict, count: torch.Tensor, sinks: int, window: int, group: int,
+                 rows: int) -> bool:
+    """A static layer's flush by the Triton pack, reading its ring and count on the device (where fast_encoder
+    would run); False hands it back to the torch codec."""
+    flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
+    if flag == "0" or not (ring.is_cuda or flag == "1"):
+        return False
+    from .kernels import triton_pack
+
+    return triton_pack.encode_ring(fmt, ring, parts, count, sinks, window, group, rows)
+
+
 # ---------------------------------------------------------------------------------------------- attention
 def kvsqueeze_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                         scaling: float | None = None, **kwargs):
@@ -672,6 +684,7 @@ class _StaticHFLayer(CacheLayerMixin):
 
         kv = self.kv
         kv.allocate(key_states, value_states)
+        kv.ring_encode = ring_encoder
         counted = functools.partial(_attend_counted, kv, resolve_backend(self.backend, key_states.device))
 
         def planned(query, mask, tensors, scaling):

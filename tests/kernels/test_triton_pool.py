@@ -223,5 +223,6 @@ def test_generation_through_the_pool_matches_the_reference(tiny_mixed_sliding, m
             out[backend] = model.generate(ids, attention_mask=mask, **cache_kwargs(model, cache), max_new_tokens=6,
                                           do_sample=False, pad_token_id=1)
         stores = [layer.kv.store for layer in cache.layers]
-        assert all((s.pool is not None) == (backend == "triton") for s in stores)
+        # the Triton backend always pools; on a GPU every cache does (cache/layer.py), on a CPU only Triton's
+        assert all((s.pool is not None) == (backend == "triton" or ids.device.type != "cpu") for s in stores)
     assert out["triton"].tolist() == out["torch"].tolist()

@@ -79,3 +79,32 @@ def test_a_compiled_model_takes_the_graphed_operator(tiny_llama):
         if backend == "triton":
             assert cache.layers[0].kv.graphed and "triton-static" in attention_paths(cache)
     assert torch.allclose(outs[0], outs[1], atol=1e-4), (outs[0] - outs[1]).abs().max()
+
+
+@pytest.mark.parametrize("spec", ["k4c16-v2t16-w16-s4", "k8t32-v4c32-w32"])
+def test_the_ring_flush_by_the_triton_pack_writes_the_torch_codecs_bytes(spec, monkeypatch):
+    """On a GPU a static layer's flush is one Triton pack per side reading the ring and the count on the device
+    (adapter.ring_encoder): step after step, across flushes and ring wraps, every stored byte equals the torch
+    codec's flush."""
+    require_triton_runtime()
+    from kvsqueeze.adapter import ring_encoder
+
+    monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "1")  # the CPU under the interpreter too
+    g = torch.Generator().manual_seed(3)
+    layers = [StaticLayerKV(preset(spec), 120) for _ in range(2)]
+    kv = [torch.randn(2, 2, 40, 32, generator=g).to(TRITON_DEVICE) for _ in range(2)]
+    for lay in layers:
+        lay.allocate(*kv)
+        lay.stage(*kv)
+        lay.commit()
+    calls = []
+    layers[0].ring_encode = lambda *a: calls.append(ring_encoder(*a)) or calls[-1]
+    for _ in range(70):  # several groups of 16 or 32 tokens, the ring wrapping
+        step = [torch.randn(2, 2, 1, 32, generator=g).to(TRITON_DEVICE) for _ in range(2)]
+        for lay in layers:
+            lay.write_token(*step)
+            lay.flush()
+    # (a CPU flushes only the steps that complete a group; a GPU every step) both sides, none handed back
+    assert len(calls) >= 4 and all(calls)
+    for name, t in layers[1].parts.items():
+        assert torch.equal(layers[0].parts[name], t), name

@@ -71,6 +71,9 @@ class StaticLayerKV:
         self._stored: tuple | None = None  # (key, stored segments, memo): see _stored_segments
         self._shared: tuple[dict, dict] = ({}, {})  # no shared tensors; the same dicts every step (kernels' memo key)
         self.padded = False  # a prompt hid some of its positions (padding): decode steps must read the mask
+        # (fmt, ring, parts, count, S, W, G, rows) -> bool: a flush encoded in place from the ring with the count
+        # read on the device (set by the adapter where the Triton pack runs); False / None: the torch codec
+        self.ring_encode = None
 
     # ------------------------------------------------------------------ storage
     def allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -148,16 +151,22 @@ class StaticLayerKV:
             n = int(count)
             if self.n_stored(n) == self.n_stored(n - 1):  # this step completed no group
                 return
+        rest = {side: (ring, parts) for side, ring, parts in (("k", ring_k, k_parts), ("v", ring_v, v_parts))
+                if self.ring_encode is None or not self.ring_encode(self.codecs[side].fmt, ring, parts, count, self.S,
+                                                                    self.W, self.G, self.rows)}
+        if not rest:  # one launch per side did it (the adapter's Triton pack, reading the count on the device)
+            return
         nq = torch.clamp(torch.div(count - self.S - self.W, self.G, rounding_mode="floor"), min=1) * self.G
         first = torch.clamp(nq - self.G, max=self.rows - self.G)  # a step past max_len is refused by attention
         slots = torch.remainder(first + self._g, self.R)
-        self._write(first, ring_k.index_select(2, slots), ring_v.index_select(2, slots), {"k": k_parts, "v": v_parts})
+        self._write(first, {side: ring.index_select(2, slots) for side, (ring, _) in rest.items()},
+                    {side: parts for side, (_, parts) in rest.items()})
 
-    def _write(self, first, k: torch.Tensor, v: torch.Tensor, into: dict | None = None) -> None:
-        """Encode whole groups of tokens starting at ``first`` (a token index, int or 0-dim tensor) into their rows
-        of ``into`` (side -> part name -> tensor; the layer's own parts by default)."""
-        t = k.shape[2]
-        for side, x in (("k", k), ("v", v)):
+    def _write(self, first, xs: dict[str, torch.Tensor], into: dict | None = None) -> None:
+        """Encode whole groups of tokens ``xs`` (side -> [B, H, t, D]) starting at ``first`` (a token index, int or
+        0-dim tensor) into their rows of ``into`` (side -> part name -> tensor; the layer's own parts by default)."""
+        for side, x in xs.items():
+            t = x.shape[2]
             for name, part in self.codecs[side].encode(x).items():
                 dst = into[side][name] if into is not None else self.parts[f"{side}.{name}"]
                 tpr = self.codecs[side].layout()[name].tokens_per_row
@@ -190,7 +199,7 @@ class StaticLayerKV:
         ek = torch.cat([*(seg.k for seg in window), k], 2)  # exact body tokens [a, m1)
         ev = torch.cat([*(seg.v for seg in window), v], 2)
         if b > a:
-            self._write(a, ek[:, :, : b - a], ev[:, :, : b - a])
+            self._write(a, {"k": ek[:, :, : b - a], "v": ev[:, :, : b - a]})
         keep = max(a, m1 - self.R)
         slots = torch.remainder(torch.arange(keep, m1, device=k.device), self.R)
         self.ring_k.index_copy_(2, slots, ek[:, :, keep - a:])

@@ -135,25 +135,41 @@ if HAS_TRITON:
             tl.store(c_ptr + co[:, None] + nb[None, :], byte.to(tl.uint8), mask=r_ok[:, None])
 
     @triton.jit
+    def _flushed(t, T, cnt_ptr, ring_s, ring_w, ring_rows, RING: tl.constexpr):
+        """(destination token, source row in x) of tokens ``t`` of a launch: themselves, or (RING > 0, a static
+        layer's flush, cache/static.py) the T-token group ending at nq = T * max(1, (n - S - W) // T) of the body
+        for the n = cnt_ptr[0] tokens held (its start capped at ring_rows - T), read from a ring of RING slots
+        (body token u at slot u % RING).  The count is read on the device: a CUDA graph replays the launch."""
+        if RING:
+            m = tl.load(cnt_ptr).to(tl.int32) - ring_s - ring_w
+            nq = tl.maximum(tl.where(m > 0, m // T, 0), 1) * T  # (m > 0: C-style // would round up below 0)
+            first = tl.minimum(nq - T, ring_rows - T)
+            return first + t, (first + t) % RING
+        return t, t
+
+    @triton.jit
     def _pack_token_kernel(x_ptr, c_ptr, s_ptr, z_ptr, table_ptr, n_rows, T, H, start,
                            cs_slot, cs_b, cs_h, cs_r, ps_slot, ps_b, ps_h, ps_r, clip, floor,
+                           cnt_ptr, ring_s, ring_w, ring_rows,
                            D: tl.constexpr, G: tl.constexpr, BR: tl.constexpr, BITS: tl.constexpr,
                            SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr,
-                           PAGED: tl.constexpr, BLK: tl.constexpr):
+                           PAGED: tl.constexpr, BLK: tl.constexpr, RING: tl.constexpr):
         """Per-token groups: x [B, H, T, D] (n_rows = B H T rows) in groups of G channels -> codes and params
-        [.., D // G] per token, written where token_rows puts them (a pool's slots, or [B, H, T, ..] outputs)."""
+        [.., D // G] per token, written where token_rows puts them (a pool's slots, or [B, H, T, ..] outputs).
+        RING > 0: x is a static layer's ring [B, H, RING, D] and the T tokens its flushed group (_flushed)."""
         NG: tl.constexpr = D // G
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         r_ok = rows < n_rows
         gi = tl.arange(0, NG)
-        off = rows[:, None, None] * D + gi[None, :, None] * G + tl.arange(0, G)[None, None, :]
+        bh = rows // T
+        t, src = _flushed(rows % T, T, cnt_ptr, ring_s, ring_w, ring_rows, RING)
+        xrow = bh * (RING if RING else T) + src
+        off = xrow[:, None, None] * D + gi[None, :, None] * G + tl.arange(0, G)[None, None, :]
         x = tl.load(x_ptr + off, mask=r_ok[:, None, None], other=0.0).to(tl.float32)
         x, for_min, for_max = _finite(x, LIM)
         mn = tl.min(for_min, axis=2)
         mx = tl.max(for_max, axis=2)
         q, s, z = _quantize(x, mn[:, :, None], mx[:, :, None], clip, floor, BITS, SYM, PKIND, PMAX)
-        bh = rows // T
-        t = rows % T
         co = token_rows(t, r_ok, start, table_ptr, bh // H, bh % H, cs_slot, cs_b, cs_h, cs_r, PAGED, BLK, 1)
         po = token_rows(t, r_ok, start, table_ptr, bh // H, bh % H, ps_slot, ps_b, ps_h, ps_r, PAGED, BLK, 1)
         p_off = po[:, None] + gi[None, :]
@@ -165,17 +181,18 @@ if HAS_TRITON:
     @triton.jit
     def _pack_channel_kernel(x_ptr, c_ptr, s_ptr, z_ptr, table_ptr, T, H, start,
                              cs_slot, cs_b, cs_h, cs_r, ps_slot, ps_b, ps_h, ps_r, clip, floor,
+                             cnt_ptr, ring_s, ring_w, ring_rows,
                              D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                              SYM: tl.constexpr, PKIND: tl.constexpr, PMAX: tl.constexpr, LIM: tl.constexpr,
-                             PAGED: tl.constexpr, BLK: tl.constexpr):
+                             PAGED: tl.constexpr, BLK: tl.constexpr, RING: tl.constexpr):
         """Per-channel groups: one program per group of G tokens of one (sequence, head); x [G, D] -> codes and
-        params [D] (one parameter row per group)."""
+        params [D] (one parameter row per group).  RING > 0: as in _pack_token_kernel (T == G then)."""
         grp = tl.program_id(0)
         NGT = T // G
         bh = grp // NGT
-        t = (grp % NGT) * G + tl.arange(0, G)
+        t, src = _flushed((grp % NGT) * G + tl.arange(0, G), T, cnt_ptr, ring_s, ring_w, ring_rows, RING)
         ch = tl.arange(0, D)
-        x = tl.load(x_ptr + (bh * T + t)[:, None] * D + ch[None, :]).to(tl.float32)
+        x = tl.load(x_ptr + (bh * (RING if RING else T) + src)[:, None] * D + ch[None, :]).to(tl.float32)
         x, for_min, for_max = _finite(x, LIM)
         mn = tl.min(for_min, axis=0)
         mx = tl.max(for_max, axis=0)
@@ -210,27 +227,47 @@ def encode(fmt: StorageFormat, x: torch.Tensor, into: PoolTarget | None = None) 
     if not available() or not supports(fmt, x):
         return None
     b, h, t, d = x.shape
-    g, bits, pname = fmt.group, fmt.bits, _PNAME[fmt.param_dtype]
     x = x.contiguous()
-    nbytes = d * bits // 8 if bits <= 4 else d
     if into is None:
-        codes = torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device)
-        pshape = (b, h, t, d // g) if fmt.axis == "token" else (b, h, t // g, d)
+        nbytes = d * fmt.bits // 8 if fmt.bits <= 4 else d
+        pshape = (b, h, t, d // fmt.group) if fmt.axis == "token" else (b, h, t // fmt.group, d)
         scale = torch.empty(pshape, dtype=fmt.param_dtype, device=x.device)
-        zero = None if fmt.symmetric else torch.empty_like(scale)
-        out = {"codes": codes, "scale": scale, **({} if zero is None else {"zero": zero})}
-        table, start, blk = codes, 0, 1
-    else:
-        codes, scale = into.parts["codes"], into.parts["scale"]
-        zero = into.parts.get("zero")
-        out, table, start, blk = {}, into.table, into.start, into.block_tokens
-    paged = into is not None
+        out = {"codes": torch.empty(b, h, t, nbytes, dtype=torch.uint8, device=x.device), "scale": scale}
+        if not fmt.symmetric:
+            out["zero"] = torch.empty_like(scale)
+        _launch(fmt, x, out, t, out["codes"], 0, 1, False)
+        return out
+    _launch(fmt, x, into.parts, t, into.table, into.start, into.block_tokens, True)
+    return {}
+
+
+def encode_ring(fmt: StorageFormat, ring: torch.Tensor, parts: dict[str, torch.Tensor], count: torch.Tensor,
+                sinks: int, window: int, group: int, rows: int) -> bool:
+    """A static layer's flush in one launch (cache/static.py): the ``group`` body tokens ending at
+    nq = group * max(1, (count - sinks - window) // group), read from the ring [B, H, R, D] (body token u at slot
+    u % R), encoded into rows of ``parts`` ([B, H, rows, ...] by part name) from token nq - group on; the count is
+    read on the device, so a CUDA graph replays it.  False (nothing written) where this format needs the torch
+    encoder."""
+    b, h, r, d = ring.shape
+    if not available() or not ring.is_contiguous() or not supports(fmt, ring[:, :, :group]):
+        return False
+    _launch(fmt, ring, parts, group, parts["codes"], 0, 1, False, (count, sinks, window, rows, r))
+    return True
+
+
+def _launch(fmt, x, parts, t, table, start, blk, paged, ring=None) -> None:
+    """One pack launch over ``t`` tokens per (sequence, head) of ``x`` into ``parts``."""
+    b, h, _, d = x.shape
+    g, bits, pname = fmt.group, fmt.bits, _PNAME[fmt.param_dtype]
+    codes, scale = parts["codes"], parts["scale"]
+    zero = parts.get("zero")
     pk = _PKIND[pname]
-    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk], LIM=LIMIT, PAGED=paged, BLK=blk)
-    z_arg = scale if zero is None else zero
-    floor = scale_floor(pname)
-    args = (x, codes, scale, z_arg, table)
-    st = (*slot_strides(codes, paged), *slot_strides(scale, paged), float(fmt.clip), floor)
+    cnt, ring_s, ring_w, ring_rows, n_ring = ring or (codes, 0, 0, 0, 0)
+    consts = dict(D=d, G=g, BITS=bits, SYM=fmt.symmetric, PKIND=pk, PMAX=_PMAX[pk], LIM=LIMIT, PAGED=paged, BLK=blk,
+                  RING=n_ring)
+    args = (x, codes, scale, scale if zero is None else zero, table)
+    st = (*slot_strides(codes, paged), *slot_strides(scale, paged), float(fmt.clip), scale_floor(pname),
+          cnt, ring_s, ring_w, ring_rows)
     # no FMA contraction: every product is rounded as torch rounds it
     if fmt.axis == "token":
         n = b * h * t
@@ -238,4 +275,3 @@ def encode(fmt: StorageFormat, x: torch.Tensor, into: PoolTarget | None = None) 
                                                     **consts)
     else:
         _pack_channel_kernel[(b * h * t // g,)](*args, t, h, start, *st, enable_fp_fusion=False, **consts)
-    return out

@@ -66,6 +66,14 @@ def affine_ste(x: Tensor, scale: Tensor, offset: Tensor | float, qmin: int, qmax
     return ((t + offset).clamp(qmin, qmax) - offset) * s
 
 
+def ieee_quotient(t: Tensor, divisor: float) -> Tensor:
+    """float32 ``t / divisor`` correctly rounded on every device.  PyTorch's CUDA division by a Python number
+    multiplies by its reciprocal (off by an ulp now and then), so a GPU's codes would differ from a CPU's and from
+    the Triton pack's IEEE division; in float64 the quotient rounds to the same float32 (53 >= 2 * 24 + 2 bits:
+    the double rounding is innocuous for a division)."""
+    return (t.double() / divisor).float()
+
+
 def minmax_params(xf: Tensor, levels: int, clip: Tensor | float, param_dtype: str) -> tuple[Tensor, Tensor]:
     """The cache's asymmetric rule for groups on the last dim of ``xf``: range [clip*min, clip*max] (``clip`` a
     scalar or a tensor broadcasting to ``xf.shape[:-1] + (1,)``), offset rounded *down* and scale rounded *up* in
@@ -76,7 +84,8 @@ def minmax_params(xf: Tensor, levels: int, clip: Tensor | float, param_dtype: st
     mn, mx = finite_minmax(xf)
     mn, mx = mn * clip, mx * clip
     zero = to_param(mn, param_dtype, "down")
-    scale = to_param(((mx - zero.float()) / (levels - 1)).clamp_min(scale_floor(param_dtype)), param_dtype, "up")
+    scale = to_param(ieee_quotient(mx - zero.float(), levels - 1).clamp_min(scale_floor(param_dtype)), param_dtype,
+                     "up")
     return scale, zero
 
 
@@ -93,7 +102,7 @@ def symmetric_scale(mn: Tensor, mx: Tensor, qmax: float, clip: float, param_dtyp
     finite min and max; a zero-range group (mn == mx == c) takes ``clip * |c|``, so c is code +-1 (integer and fp8
     codes alike)."""
     amax = torch.maximum(-mn, mx) * clip
-    raw = torch.where(mn == mx, amax, amax / qmax)
+    raw = torch.where(mn == mx, amax, ieee_quotient(amax, qmax))
     return to_param(raw.clamp_min(scale_floor(param_dtype)), param_dtype, "up")
 
 
