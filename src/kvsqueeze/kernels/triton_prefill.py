@@ -17,6 +17,8 @@ in float32 without TF32 (triton_common.dot).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..cache.plan import EXACT, SegmentPlan
@@ -40,8 +42,28 @@ if HAS_TRITON:
 
     from .triton_common import dot, load_tokens, masked_scores
 
-BLOCK_M = 32  # query rows per program
-BLOCK_N = 32  # keys per tile
+BLOCK_M = 128  # query rows per program (every key/value tile is unpacked once per BLOCK_M rows)
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 8  # for head_dim >= 128 (4 below)
+
+
+def _launch_from_env() -> None:
+    """``KVSQUEEZE_TRITON_PREFILL=BLOCK_M:BLOCK_N:NUM_WARPS`` sets the launch shape (tuning on another GPU)."""
+    global BLOCK_M, BLOCK_N, NUM_WARPS
+    text = os.environ.get("KVSQUEEZE_TRITON_PREFILL", "")
+    if text:
+        try:
+            bm, bn, warps = (int(x) for x in text.split(":"))
+        except ValueError:
+            raise ValueError(f"KVSQUEEZE_TRITON_PREFILL is BLOCK_M:BLOCK_N:NUM_WARPS (e.g. 128:64:8), got {text!r}") \
+                from None
+        if min(bm, bn) < 16 or bm & (bm - 1) or bn & (bn - 1) or warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KVSQUEEZE_TRITON_PREFILL {text}: BLOCK_M and BLOCK_N powers of two >= 16, NUM_WARPS a "
+                             "power of two up to 16")
+        BLOCK_M, BLOCK_N, NUM_WARPS = bm, bn, warps
+
+
+_launch_from_env()
 
 if HAS_TRITON:
 
@@ -73,7 +95,10 @@ if HAS_TRITON:
         l_ = tl.load(l_ptr + st, mask=r_ok, other=0.0)
         acc = tl.load(acc_ptr + st[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
         lq = rows % LQ  # query index of each row (rows are [rep, Lq] flattened)
-        for t0 in range(0, n_tok, BN):
+        n_end = n_tok
+        if MASK == 3:  # causal: no tile past the last token the tile's latest query sees
+            n_end = tl.minimum(n_tok, tl.max(tl.where(r_ok, lq, 0)) + qpos0 - kpos0 + 1)
+        for t0 in range(0, n_end, BN):
             t_idx = t0 + tl.arange(0, BN)
             t_ok = t_idx < n_tok
             k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
@@ -114,7 +139,7 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
     mask_arg, mst, hist_kind = mask_args(mask, m_state)
     bm, bn = BLOCK_M, BLOCK_N  # module attributes, so tests can shrink them for the interpreter
     grid = (b * hkv, triton.cdiv(r, bm))
-    warps = 8 if d >= 128 else 4
+    warps = NUM_WARPS if d >= 128 else min(NUM_WARPS, 4)
 
     ks, vs = side(plan.key_format), side(plan.value_format)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
