@@ -166,49 +166,16 @@ if HAS_TRITON:
         return codes
 
     @triton.jit
-    def _token_codes(x_ptr, xo, t_ok, ch, BITS: tl.constexpr, D: tl.constexpr, OFF: tl.constexpr):
-        """Integer codes [BT, D] of the rows at ``xo`` (whole rows split in registers for 1/2/4/8 bits, one byte
-        or two per channel for 3, 5, 6, 7 bits, whose codes may straddle bytes): float32, or with OFF = 128 / 1024
-        bfloat16 / float16 values OFF + code made from their bits (exact; no integer-to-float conversion, which
-        runs at a quarter of the float rate on a GPU; see code_offset), for a matrix-unit product whose caller
-        subtracts OFF times its other operand's sum (code_dot)."""
-        if BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8:
+    def _token_codes(x_ptr, xo, t_ok, ch, BITS: tl.constexpr, D: tl.constexpr):
+        """float32 integer codes [BT, D] of the rows at ``xo``: whole rows of 16 bytes or more split in registers
+        for 1/2/4/8 bits, else one byte (or two) per channel (3, 5, 6, 7 bits: codes may straddle bytes)."""
+        if (BITS == 1 or BITS == 2 or BITS == 4 or BITS == 8) and D * BITS >= 128:
+            # (rows under 16 bytes: a byte per channel; whole rows of 4 bytes split by joins gave wrong results on
+            # an H200 - head_dim 16, 2-bit - right under the interpreter)
             code = _row_codes(x_ptr, xo, t_ok, BITS, D)
         else:
             code = _codes(x_ptr, xo, ch, 0, t_ok, ch >= 0, BITS)
-        if OFF == 128:  # bfloat16 128 + c: exponent of 128, the code in the 7 mantissa bits
-            out = (code | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        elif OFF == 1024:  # float16 1024 + c: 10 mantissa bits
-            out = (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        else:
-            out = code.to(tl.float32)
-        return out
-
-    @triton.jit
-    def code_dot_acc(x, raw, acc, OFF: tl.constexpr, DOT: tl.constexpr):
-        """(acc + x @ raw, and what that leaves to subtract from each row: OFF * rowsum(x) [M], x rounded as the
-        product rounds it; 0 with OFF 0) for codes in the form of code_dot, so that a caller can carry the
-        row terms in a vector and apply them once instead of to every element of acc."""
-        if OFF > 0:
-            xr = x.to(raw.dtype)
-            out = tl.dot(xr, raw, acc)
-            off = OFF * tl.sum(xr.to(tl.float32), axis=1)
-        else:
-            out = dot_acc(x, raw, acc, DOT)
-            off = tl.zeros((x.shape[0],), tl.float32)
-        return out, off
-
-    @triton.jit
-    def code_dot(x, raw, OFF: tl.constexpr, DOT: tl.constexpr):
-        """x [M, K] @ codes [K, N] on the matrix units, where ``raw`` holds the codes as _token_codes gives them:
-        with OFF > 0, 16-bit OFF + code, and x rounded to that dtype: x @ raw - OFF * rowsum(x) (exact: the same
-        rounded x in both terms, products and sums in float32)."""
-        if OFF > 0:
-            xr = x.to(raw.dtype)
-            out = tl.dot(xr, raw) - OFF * tl.sum(xr.to(tl.float32), axis=1)[:, None]
-        else:
-            out = dot(x, raw, DOT)
-        return out
+        return code.to(tl.float32)
 
     @triton.jit
     def _fp8_values(x_ptr, xo, t_ok, ch, KIND: tl.constexpr):
@@ -258,7 +225,7 @@ if HAS_TRITON:
             sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
             mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             return lv * sc[:, None] + mean
-        code = _token_codes(x_ptr, xo, t_ok, ch, BITS, D, 0)
+        code = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
         if KIND == 1 and D % G == 0 and (G & (G - 1)) == 0:
             s = _group_params(s_ptr, po, t_ok, G, D)
             if SYM:
@@ -283,14 +250,11 @@ if HAS_TRITON:
     def load_folded(x_ptr, s_ptr, z_ptr, tab_ptr, t, t_ok, first, table_ptr, b, h,
                     x_ss, x_sb, x_sh, x_sr, p_ss, p_sb, p_sh, p_sr, ch,
                     PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr, KIND: tl.constexpr,
-                    BITS: tl.constexpr, SYM: tl.constexpr, D: tl.constexpr, OFF: tl.constexpr, grp, grp_ok,
-                    RG: tl.constexpr):
-        """One side's tokens ``t`` as (raw [BT, D], a, c) with value = raw * a + c, for the kernels to fold
+                    BITS: tl.constexpr, SYM: tl.constexpr, D: tl.constexpr):
+        """One side's tokens ``t`` as (raw [BT, D] float32, a, c) with value = raw * a + c, for the kernels to fold
         a and c into their products instead of dequantizing every element (see ``folds``): KIND 0 the values
         (a, c unused); 3 / 4 the fp8 values, a [BT] the token's scale; 1 (one group per token) the codes, a and c
-        [BT]; 2 (every valid token of the tile in one parameter row) the codes, a and c [D].  Codes as
-        _token_codes gives them (OFF).  RG > 1 (per-token groups of D / RG channels, values only): a and c
-        [rows, BT], row i holding its group grp[i]'s parameters (the decode's row groups; rows not grp_ok: 0)."""
+        [BT]; 2 (every valid token of the tile in one parameter row) the codes, a and c [D]."""
         xo = token_rows(t, t_ok, first, table_ptr, b, h, x_ss, x_sb, x_sh, x_sr, PAGED, BLK, 1)
         po = token_rows(t, t_ok, first, table_ptr, b, h, p_ss, p_sb, p_sh, p_sr, PAGED, BLK, PER_ROW)
         if KIND == 0:
@@ -302,16 +266,8 @@ if HAS_TRITON:
             a = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
             c = 0.0
         else:
-            raw = _token_codes(x_ptr, xo, t_ok, ch, BITS, D, OFF)
-            if KIND == 1 and RG > 1:
-                pg = po[None, :] + grp[:, None]
-                ok = grp_ok[:, None] & t_ok[None, :]
-                s = tl.load(s_ptr + pg, mask=ok, other=0.0).to(tl.float32)
-                if SYM:
-                    z = s
-                else:
-                    z = tl.load(z_ptr + pg, mask=ok, other=0.0).to(tl.float32)
-            elif KIND == 1:
+            raw = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
+            if KIND == 1:
                 s = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
                 if SYM:
                     z = s
@@ -357,16 +313,6 @@ if HAS_TRITON:
         elif MASK == 3:
             valid = valid & ((kq + t)[None, :] <= lq[:, None])
         return tl.where(valid, s, float("-inf"))
-
-
-def code_offset(sd: Side, folded: bool, dot: int) -> int:
-    """OFF of _token_codes for a side: 128 / 1024 where its codes go to the matrix units as bfloat16 / float16
-    made from their bits (folded integer codes of at most 7 / 10 bits, whose OFF + code is exact there), else 0."""
-    if not folded or sd.kind not in (1, 2):
-        return 0
-    if dot == 2 and sd.bits <= 7:
-        return 128
-    return 1024 if dot == 1 else 0
 
 
 def folds(sd: Side, d: int, per_row: int, bt: int, aligned: bool) -> bool:

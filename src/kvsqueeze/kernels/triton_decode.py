@@ -41,7 +41,6 @@ from .triton_common import (
     MIN_DOT,
     Side,
     available,
-    code_offset,
     device_table,
     dot_head_dim,
     dot_kind,
@@ -59,15 +58,17 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .triton_common import code_dot, code_dot_acc, dot, dot_acc, load_folded, load_tokens, masked_scores
+    from .triton_common import dot, dot_acc, load_folded, load_tokens, masked_scores
 
 __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
 MAX_QUERIES = 16
 CHUNK = 256  # the fewest stored tokens a program takes
-TARGET_PROGRAMS = 1024  # programs per launch worth having (a few waves of a GPU's SMs): longer chunks beyond it
+# launch shape: one warp per program and many programs was the fastest of 32:1024:4, 32:1024:2 and 32:4096:1 for
+# kivi-4, kivi-2, int8 and fp8 at 32k x 16 on an H200 (2026-11-27; BENCHMARKS.md section 2)
+TARGET_PROGRAMS = 4096  # programs per launch worth having (waves of a GPU's SMs): longer chunks beyond it
 BLOCK_T = 32  # tokens a program unpacks and scores per loop iteration
-NUM_WARPS = 4  # warps per program of the partials launch
+NUM_WARPS = 1  # warps per program of the partials launch
 
 
 def parse_launch(text: str) -> tuple[int, int, int, int]:
@@ -123,12 +124,12 @@ if HAS_TRITON:
         return m, l_, dot_acc(p, v, acc, DOT)
 
     @triton.jit
-    def _folded_scores(q, qsum, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr, OFF: tl.constexpr):
+    def _folded_scores(q, qsum, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr):
         """Scores of q [RP, D] against keys raw * a + c (load_folded) without dequantizing them."""
         if KIND == 2:  # per-channel parameters: into the query
-            s = code_dot(q * a[None, :], tl.trans(raw), OFF, DOT) + tl.sum(q * c[None, :], axis=1)[:, None]
+            s = dot(q * a[None, :], tl.trans(raw), DOT) + tl.sum(q * c[None, :], axis=1)[:, None]
         elif KIND == 1:  # per-token parameters: onto the scores
-            s = code_dot(q, tl.trans(raw), OFF, DOT) * a[None, :] + qsum[:, None] * c[None, :]
+            s = dot(q, tl.trans(raw), DOT) * a[None, :] + qsum[:, None] * c[None, :]
         elif KIND == 0:
             s = dot(q, tl.trans(raw), DOT)
         else:
@@ -136,27 +137,19 @@ if HAS_TRITON:
         return s
 
     @triton.jit
-    def _folded_values(acc, p, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr, OFF: tl.constexpr,
-                       RG: tl.constexpr):
+    def _folded_values(acc, p, raw, a, c, KIND: tl.constexpr, DOT: tl.constexpr):
         """(acc + the weighted values p [RP, BT] @ (raw * a + c) without dequantizing them, and a term [RP] each
-        row adds to all its channels, which the caller sums across tiles and adds once at the end).  RG > 1: a, c
-        [RP, BT], each row its channel group's parameters (the caller keeps each row's own group of channels)."""
+        row adds to all its channels, which the caller sums across tiles and adds once at the end)."""
+        row = tl.zeros((p.shape[0],), tl.float32)
         if KIND == 2:  # per-channel parameters: onto the product
-            pv, off = code_dot_acc(p, raw, tl.zeros(acc.shape, tl.float32), OFF, DOT)
-            acc = acc + (pv - off[:, None]) * a[None, :] + tl.sum(p, axis=1)[:, None] * c[None, :]
-            row = tl.zeros((p.shape[0],), tl.float32)
-        elif KIND == 1 and RG > 1:  # per-token groups: each row group's parameters into its weights
-            acc, off = code_dot_acc(p * a, raw, acc, OFF, DOT)
-            row = tl.sum(p * c, axis=1) - off
-        elif KIND == 1:  # per-token parameters: into the weights
-            acc, off = code_dot_acc(p * a[None, :], raw, acc, OFF, DOT)
-            row = tl.sum(p * c[None, :], axis=1) - off
+            acc = acc + dot(p, raw, DOT) * a[None, :] + tl.sum(p, axis=1)[:, None] * c[None, :]
+        elif KIND == 1:  # per-token parameters: into the weights (sums taken by the matrix units)
+            acc = dot_acc(p * a[None, :], raw, acc, DOT)
+            row = tl.sum(p * c[None, :], axis=1)
         elif KIND == 0:
             acc = dot_acc(p, raw, acc, DOT)
-            row = tl.zeros((p.shape[0],), tl.float32)
         else:
             acc = dot_acc(p * a[None, :], raw, acc, DOT)
-            row = tl.zeros((p.shape[0],), tl.float32)
         return acc, row
 
     @triton.jit
@@ -173,16 +166,13 @@ if HAS_TRITON:
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
-        VNHI: tl.constexpr, KOFF: tl.constexpr, VOFF: tl.constexpr, RG: tl.constexpr,
+        VNHI: tl.constexpr,
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
         stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
         split can follow the context without a new compilation.  NDEV: n_tok is read from cnt_ptr[0] on the device
         (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it).  KFOLD / VFOLD:
-        the side is read by load_folded, its parameters folded into the products (triton_common.folds), KOFF / VOFF
-        its codes' form (triton_common.code_offset).  RG > 1: values in per-token groups of VG = D / RG channels;
-        the tile's rows hold the R query rows RG times (row i: query row i % R, value group i // R), so each row
-        folds its own group's parameters into its weights and keeps that group's channels (fold_plan)."""
+        the side is read by load_folded, its parameters folded into the products (triton_common.folds)."""
         if NDEV:
             n_tok = tl.load(cnt_ptr)
         bh = tl.program_id(0)
@@ -191,13 +181,11 @@ if HAS_TRITON:
         h = bh % HKV
         rows = tl.arange(0, RP)
         ch = tl.arange(0, D)
-        r_ok = rows < R * RG
-        qrow = rows % R
-        grp = rows // R
-        q = tl.load(q_ptr + (bh * R + qrow)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
+        r_ok = rows < R
+        q = tl.load(q_ptr + (bh * R + rows)[:, None] * D + ch[None, :], mask=r_ok[:, None], other=0.0)
         q = q.to(tl.float32) * scaling
         qsum = tl.sum(q, axis=1)
-        lq = qrow % LQ  # query rows are [rep, Lq] flattened
+        lq = rows % LQ  # rows are [rep, Lq] flattened
         m = tl.full((RP,), float("-inf"), tl.float32)
         l_ = tl.zeros((RP,), tl.float32)
         acc = tl.zeros((RP, D), tl.float32)
@@ -208,8 +196,8 @@ if HAS_TRITON:
             if KFOLD:
                 kr, ka, kc = load_folded(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
                                          kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS,
-                                         KSYM, D, KOFF, grp, r_ok, 1)
-                s = _folded_scores(q, qsum, kr, ka, kc, KKIND, DOT, KOFF)
+                                         KSYM, D)
+                s = _folded_scores(q, qsum, kr, ka, kc, KKIND, DOT)
             else:
                 k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
                                 kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D,
@@ -220,8 +208,8 @@ if HAS_TRITON:
             if VFOLD:
                 vr, va, vc = load_folded(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
                                          vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS,
-                                         VSYM, D, VOFF, grp, r_ok, RG)
-                acc, row = _folded_values(acc, p, vr, va, vc, VKIND, DOT, VOFF, RG)
+                                         VSYM, D)
+                acc, row = _folded_values(acc, p, vr, va, vc, VKIND, DOT)
                 vrow = vrow * corr + row
             else:
                 v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
@@ -229,13 +217,10 @@ if HAS_TRITON:
                                 W)
                 acc = dot_acc(p, v, acc, DOT)
         acc += vrow[:, None]  # the row terms of every tile, rescaled as acc was
-        part = (bh * n_parts + part0 + chunk) * R + qrow
-        tl.store(m_ptr + part, m, mask=rows < R)  # (row groups: every copy of a query row has the same m and l)
-        tl.store(l_ptr + part, l_, mask=rows < R)
-        keep = r_ok[:, None]
-        if RG > 1:  # each row its own group's channels
-            keep = keep & ((ch // VG)[None, :] == grp[:, None])
-        tl.store(acc_ptr + part[:, None] * D + ch[None, :], acc, mask=keep)
+        part = (bh * n_parts + part0 + chunk) * R + rows
+        tl.store(m_ptr + part, m, mask=r_ok)
+        tl.store(l_ptr + part, l_, mask=r_ok)
+        tl.store(acc_ptr + part[:, None] * D + ch[None, :], acc, mask=r_ok[:, None])
 
     @triton.jit
     def _exact_tokens(q, m, l_, acc, k_ptr, v_ptr, ksb, ksh, kst, vsb, vsh, vst, n, col0, b, h, lq, r_ok, ch,
@@ -344,53 +329,23 @@ def exact_strides(tensors, unused: torch.Tensor) -> list[int]:
 
 
 def query_rows(r: int) -> int:
-    """Rows of a program's query tile for ``r`` rows (query rows per kv head, times the row groups): a power of
-    two, at least 16 (the least M of tl.dot; the padding rows are masked and cost the matrix units next to
-    nothing)."""
+    """Rows of a program's query tile for ``r`` query rows per kv head: a power of two, at least 16 (the least M
+    of tl.dot; the padding rows are masked and cost the matrix units next to nothing)."""
     return max(MIN_DOT, triton.next_power_of_2(r))
 
 
-class FoldPlan(NamedTuple):
-    """How a partials launch reads its sides: keys / values folded (load_folded), the unit its chunks of tokens
-    are a multiple of, the value row groups (RG) and each side's code form (code_offset)."""
-
-    kf: bool
-    vf: bool
-    unit: int
-    rg: int
-    koff: int
-    voff: int
-
-    def consts(self) -> dict:
-        return {"KFOLD": self.kf, "VFOLD": self.vf, "RG": self.rg, "KOFF": self.koff, "VOFF": self.voff}
-
-
-# KVSQUEEZE_TRITON_FOLDS="rows,bits" (the default) / "rows" / "bits" / "": value row groups, 16-bit codes made from
-# their bits (A/B switches for a GPU run; read at import)
-_FOLDS = os.environ.get("KVSQUEEZE_TRITON_FOLDS", "rows,bits").split(",")
-ROW_GROUPS, CODE_BITS = "rows" in _FOLDS, "bits" in _FOLDS
-MAX_ROW_GROUPS_ROWS = 64  # value row groups only where R x groups fits a tile of this many rows
-
-
-def fold_plan(ks: Side, vs: Side, kpr: int, vpr: int, d: int, bt: int, first: int, blk: int, r: int, dot: int
-              ) -> FoldPlan:
-    """How a partials launch reads its sides, for ``r`` query rows per kv head, tiles of ``bt`` tokens from store
-    index ``first`` (blocks of ``blk`` tokens; 0: one run of rows) and operands of kind ``dot``: a per-channel
-    side folds when its parameter rows (``kpr`` / ``vpr`` tokens) cover whole tiles and chunks; values in per-token
-    groups fold through row groups (the query rows repeated once per group, each folding its group's parameters:
-    the padding rows of a small tile do it for nothing) where r x groups fits MAX_ROW_GROUPS_ROWS."""
+def fold_plan(ks: Side, vs: Side, kpr: int, vpr: int, d: int, bt: int, first: int, blk: int
+              ) -> tuple[bool, bool, int]:
+    """(keys fold, values fold, the unit a program's chunk of tokens is a multiple of) for a partials launch whose
+    tiles of ``bt`` tokens start at store index ``first`` (blocks of ``blk`` tokens; 0: one run of rows): a
+    per-channel side folds when its parameter rows (``kpr`` / ``vpr`` tokens) cover whole tiles and chunks."""
     def row_aligned(per_row: int) -> bool:
         return per_row % bt == 0 and first % per_row == 0 and blk % per_row == 0
 
     kf = folds(ks, d, kpr, bt, row_aligned(kpr))
     vf = folds(vs, d, vpr, bt, row_aligned(vpr))
-    rg = 1
-    if not vf and ROW_GROUPS and vs.kind == 1 and vs.group < d and d % vs.group == 0 and r * (d // vs.group) <= MAX_ROW_GROUPS_ROWS:
-        vf, rg = True, d // vs.group
     unit = math.lcm(bt, *(pr for sd, f, pr in ((ks, kf, kpr), (vs, vf, vpr)) if f and sd.kind == 2))
-    if not CODE_BITS:
-        return FoldPlan(kf, vf, unit, rg, 0, 0)
-    return FoldPlan(kf, vf, unit, rg, code_offset(ks, kf, dot), code_offset(vs, vf, dot))
+    return kf, vf, unit
 
 
 def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
@@ -402,6 +357,15 @@ def _chunk_tokens(n: int, programs_per_split: int, least: int, bt: int) -> int:
 
     splits = min(cdiv(n, least), max(1, cdiv(TARGET_PROGRAMS, programs_per_split)))
     return cdiv(cdiv(n, splits), bt) * bt
+
+
+def tile_tokens(ks: Side, vs: Side) -> int:
+    """BLOCK_T of a launch (at most CHUNK).  On a GPU, tiles of 1/2/4-bit codes take at least 32 tokens: 16-token
+    tiles of them gave wrong results on an H200 (the same code right under the interpreter and at 32 tokens)."""
+    bt = min(BLOCK_T, CHUNK)
+    if not interpreting() and any(sd.kind in (1, 2) and sd.bits in (1, 2, 4) for sd in (ks, vs)):
+        bt = max(bt, min(32, CHUNK))
+    return bt
 
 
 def supports(plan: SegmentPlan) -> bool:
@@ -431,10 +395,10 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     q = query.contiguous()  # [B, Hq, Lq, D] is [B * Hkv, R, D] row for row
     plan.check_mask(mask, lq)
     first = plan.first_visible
-    chunk, bt = CHUNK, min(BLOCK_T, CHUNK)  # module attributes, so tests can shrink them for the interpreter
+    ks, vs = side(plan.key_format), side(plan.value_format)
+    chunk, bt = CHUNK, tile_tokens(ks, vs)  # module attributes, so tests can shrink them for the interpreter
     pool = plan.pool
     mask_t, mst, mkind = mask_args(mask, q)
-    ks, vs = side(plan.key_format), side(plan.value_format)
     work: list[_Launch] = []  # the stored tokens (a pool: one launch; else one per block)
     if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
         work.append(_Launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
@@ -442,27 +406,28 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     for seg in plan.segments:
         if seg.kind != EXACT and seg.length and pool is None:
             work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
-    dot = dot_kind(q.dtype)
     fold = [fold_plan(ks, vs, w.k[2], w.v[2], d, bt, w.pool.first if w.pool else 0,
-                      w.pool.block_tokens if w.pool else 0, r, dot) for w in work]
-    chunks = [_chunk_tokens(w.n, b * hkv, chunk, f.unit) for w, f in zip(work, fold)]
+                      w.pool.block_tokens if w.pool else 0) for w in work]
+    chunks = [_chunk_tokens(w.n, b * hkv, chunk, unit) for w, (_, _, unit) in zip(work, fold)]
     splits = [triton.cdiv(w.n, c) for w, c in zip(work, chunks)]
     total = sum(splits)
     dev = query.device
     m_buf, l_buf, acc_buf = partial_buffers(b * hkv, total, r, d, dev)
+    rp, dot = query_rows(r), dot_kind(q.dtype)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q  # rotated keys: scores in the rotated space
     part0 = 0
-    for w, nsp, ch, fp in zip(work, splits, chunks, fold):
+    for w, nsp, ch, (kf, vf, _) in zip(work, splits, chunks, fold):
         (kt, kst, kpr), (vt, vst, vpr) = w.k, w.v
         paged = w.pool is not None
         _partials_kernel[(b * hkv, nsp)](
             q_rot, m_buf, l_buf, acc_buf, mask_t, w.pool.table if paged else m_buf, *kt, *vt,
             k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
-            CH=ch, R=r, RP=query_rows(r * fp.rg), LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
+            CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
-            **fp.consts(), **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
+            KFOLD=kf, VFOLD=vf,
+            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
         )
         part0 += nsp
     if vs.rotated and total:  # the stored tokens' weighted values back to the original space
@@ -482,7 +447,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     new_mask = (3 if lq > 1 else 0) if mask is None else mkind  # new tokens: causal among themselves
     _finish_kernel[(b * hkv,)](
         q, m_buf, l_buf, acc_buf, out, mask_t, *args, *strides, *(n for n, _ in counts), *(c for _, c in counts),
-        total, float(scaling), *mst, m_buf, R=r, RP=query_rows(r), LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
+        total, float(scaling), *mst, m_buf, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, MASK=mkind, NEW_MASK=new_mask,
         RING=0, RING0=0, DOT=dot,
     )
     return out

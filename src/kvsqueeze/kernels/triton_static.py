@@ -61,14 +61,13 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
     dev = q.device
     cnt = step_counts(count, layer.S, layer.W, layer.G)
     ks, vs = side(key_format), side(value_format)
-    bt = min(triton_decode.BLOCK_T, triton_decode.CHUNK)  # read at call time: benchmarks sweep them
+    bt = triton_decode.tile_tokens(ks, vs)  # read at call time: benchmarks sweep them
     (kt, kst, kpr), (vt, vst, vpr) = side_args(key_format, k_parts), side_args(value_format, v_parts)
-    dot = triton_decode.dot_kind(q.dtype)
-    fp = triton_decode.fold_plan(ks, vs, kpr, vpr, d, bt, 0, 0, r, dot)
-    ch = _chunk_tokens(layer.rows, b * hkv, triton_decode.CHUNK, fp.unit)  # fixed by the layer's length
+    kf, vf, unit = triton_decode.fold_plan(ks, vs, kpr, vpr, d, bt, 0, 0)
+    ch = _chunk_tokens(layer.rows, b * hkv, triton_decode.CHUNK, unit)  # fixed by the layer's length, not the step's
     nsp = triton.cdiv(layer.rows, ch)
     m_buf, l_buf, acc_buf = partial_buffers(b * hkv, nsp, r, d, dev)
-    rp = triton_decode.query_rows(r)
+    rp, dot = triton_decode.query_rows(r), triton_decode.dot_kind(q.dtype)
     mask_t, mst, mkind = mask_args(mask, q)
     k_tab, v_tab = device_table(ks, dev), device_table(vs, dev)
     q_rot = rotate_query(q, k_tab) if ks.rotated else q
@@ -76,8 +75,8 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         q_rot, m_buf, l_buf, acc_buf, mask_t, m_buf, *kt, *vt,
         k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
         0, 0, layer.S, 0, nsp, float(scaling), cnt,
-        CH=ch, R=r, RP=triton_decode.query_rows(r * fp.rg), LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=False, BLK=1,
-        MASK=mkind, W=table_width(d), NDEV=True, DOT=dot, **fp.consts(),
+        CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=False, BLK=1, MASK=mkind, W=table_width(d), NDEV=True,
+        DOT=dot, KFOLD=kf, VFOLD=vf,
         **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, num_warps=triton_decode.NUM_WARPS,
     )
     if vs.rotated:
