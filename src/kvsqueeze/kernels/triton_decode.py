@@ -64,11 +64,13 @@ __all__ = ["attend", "available", "interpreting", "path", "supports"]
 
 MAX_QUERIES = 16
 CHUNK = 256  # the fewest stored tokens a program takes
-# launch shape: one warp per program and many programs was the fastest of 32:1024:4, 32:1024:2 and 32:4096:1 for
-# kivi-4, kivi-2, int8 and fp8 at 32k x 16 on an H200 (2026-11-27; BENCHMARKS.md section 2)
-TARGET_PROGRAMS = 4096  # programs per launch worth having (waves of a GPU's SMs): longer chunks beyond it
+# launch shape: 32:4096:1 (one warp per program, many programs) was the fastest for kivi-4, kivi-2, int8 and fp8 at
+# 32k x 16 on an H200 (2026-11-27, BENCHMARKS.md section 2: kivi-4 0.716 against 0.999 ms), but one device test
+# (int4, float32, a mask broadcast over a batch of 3) then failed with a misaligned address that was not found; the
+# default stays the shape every device test passed with (KVSQUEEZE_TRITON_DECODE=32:4096:1 opts in)
+TARGET_PROGRAMS = 1024  # programs per launch worth having (waves of a GPU's SMs): longer chunks beyond it
 BLOCK_T = 32  # tokens a program unpacks and scores per loop iteration
-NUM_WARPS = 1  # warps per program of the partials launch
+NUM_WARPS = 4  # warps per program of the partials launch
 
 
 def parse_launch(text: str) -> tuple[int, int, int, int]:
