@@ -4,7 +4,8 @@
 # transformers' DynamicCache.  Everything it needs is in the checkout (no downloads); each part has its own time
 # limit so one slow part cannot eat the lease, and a short summary is printed last.
 #   run from the repository root:  bash benchmarks/gpu_check.sh
-#   knobs (environment): PARTS ("tests attention e2e compiled": which parts, in that order), CONTEXTS ("4096 32768"),
+#   knobs (environment): PARTS ("tests attention e2e compiled": which parts, in that order; "fault" also runs the
+#                        one-warp misaligned-address cases one by one at FAULT_SHAPE, 32:4096:1), CONTEXTS ("4096 32768"),
 #                        PRESETS ("kivi-4 kivi-2 int8 fp8-e4m3"), CONFIGS (decode launch shapes BT:PROGRAMS:WARPS to
 #                        sweep; empty: the module's own), E2E_CONTEXT (32768), E2E_BATCH (8), E2E_CHUNK (prefill
 #                        chunk, 0 = one pass), E2E_BUDGET (60GiB: capacity projected at E2E_CONTEXT),
@@ -32,6 +33,7 @@ SHAPE=${SHAPE:-llama-3.1-8b}
 LAYERS=${E2E_LAYERS:+--layers $E2E_LAYERS}
 CLAYERS=${COMPILED_LAYERS:+--layers $COMPILED_LAYERS}
 XDIST=${XDIST:-8}
+FAULT_SHAPE=${FAULT_SHAPE:-32:4096:1}
 PARTS=${PARTS:-"tests attention e2e compiled"}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 
@@ -51,6 +53,18 @@ timeout -s INT -k 15 "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -p no:cachepro
   -k "not cpu-" --tb=short -rf > "$OUT/tests_full.txt" 2>&1
 grep -E "^FAILED|^ERROR" "$OUT/tests_full.txt" | cut -c1-300 | head -n 60
 tail -n 3 "$OUT/tests_full.txt" | tee "$OUT/tests.txt"
+fi
+
+if part fault; then
+echo "== the one-warp launch's misaligned address (2026-11-27): the conformance suite's Triton cases one process"
+echo "   each at KVSQUEEZE_TRITON_DECODE=$FAULT_SHAPE, kernels synchronous, so the first failing case names itself"
+for case in "triton-pool-int4 broadcast mask batch" "triton-blocks-int4 broadcast mask batch" \
+            "triton-pool-int4 gqa padding" "triton-pool-kivi-4 gqa padding"; do
+  CUDA_LAUNCH_BLOCKING=1 KVSQUEEZE_TRITON_DECODE=$FAULT_SHAPE timeout 60 python3 -m pytest -q -p no:cacheprovider \
+    "tests/kernels/test_conformance.py::test_kernel_matches_reference[$case]" --tb=long > "$OUT/fault.txt" 2>&1
+  echo "$case: $(tail -n 1 "$OUT/fault.txt")"
+  grep -E "Error|error:|kernels/triton_|_kernel\[" "$OUT/fault.txt" | head -n 8
+done
 fi
 
 if part attention; then

@@ -11,6 +11,9 @@ Supported: 1 (asymmetric only), 2, 3, 4, 5-8 bits, symmetric or not, any clip ra
 power-of-two head_dim and group size.  Everything else (1-bit symmetric, whose scale is a mean whose summation
 order would differ; fp8 parameters; other group sizes) returns None and the caller keeps the torch encoder.
 
+:func:`encode_ring` is a static layer's per-step flush (cache/static.py): the group it re-encodes read from the
+layer's ring, its position from the token count on the device, so a CUDA graph can replay it.
+
 The adapter hands :func:`encode` to the cache's block stores for CUDA tensors (its ``fast_encoder``);
 ``KVSQUEEZE_TRITON_ENCODE=1`` also routes CPU tensors here (under ``TRITON_INTERPRET=1``, for tests) and ``=0``
 switches it off.  Importing this module without Triton works; :func:`encode` then returns None.
@@ -248,10 +251,9 @@ def encode_ring(fmt: StorageFormat, ring: torch.Tensor, parts: dict[str, torch.T
     u % R), encoded into rows of ``parts`` ([B, H, rows, ...] by part name) from token nq - group on; the count is
     read on the device, so a CUDA graph replays it.  False (nothing written) where this format needs the torch
     encoder."""
-    b, h, r, d = ring.shape
     if not available() or not ring.is_contiguous() or not supports(fmt, ring[:, :, :group]):
         return False
-    _launch(fmt, ring, parts, group, parts["codes"], 0, 1, False, (count, sinks, window, rows, r))
+    _launch(fmt, ring, parts, group, parts["codes"], 0, 1, False, (count, sinks, window, rows, ring.shape[2]))
     return True
 
 
