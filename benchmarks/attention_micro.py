@@ -194,6 +194,7 @@ def bench_gpu(args) -> None:
         return
     try:
         from kvsqueeze.kernels import triton_decode
+        from kvsqueeze.kernels.triton_common import side
     except ImportError as err:
         print(f"\n## GPU: Triton kernels unavailable ({err}); section skipped")
         return
@@ -237,6 +238,10 @@ def bench_gpu(args) -> None:
                     del dk, dv
                     for cfg in configs:
                         name = f"fused {p}" + (f" {cfg}" if len(configs) > 1 else "")
+                        ran = _with_launch(cfg, lambda la=la: triton_decode.tile_tokens(
+                            *(side(f) for f in (la.plan().key_format, la.plan().value_format))))
+                        if ran != min(cfg.block_t, cfg.chunk):  # (sub-byte codes take 32-token tiles on a GPU)
+                            name += f" (ran bt{ran})"
 
                         def fn(la=la, q=q, cfg=cfg):
                             return _with_launch(cfg, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5))
