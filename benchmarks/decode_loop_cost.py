@@ -9,8 +9,14 @@ iteration per warp, warp-instructions per token, per byte the token stores, and 
 them would be the limit on an H200 (132 SMs x 4 warp-instructions per clock x 1.98 GHz: an upper bound, since
 issue slots also stall).  A kernel change that lowers warp-instructions per byte raises that ceiling.
 
+``--histogram N`` adds the loop's N most common opcodes (where the instructions go); ``--prefill BM:BN:WARPS ...``
+does the same for the prefill kernel's loop over a packed segment (128 query rows per kv head's program by
+default), per token and per 128 query rows: the prefill reads each key/value tile once per query tile, so its
+loop's cost is the online softmax over the tile plus unpacking it.
+
     python benchmarks/decode_loop_cost.py                                   # kivi-4, kivi-2, int8, fp8 x shapes
     python benchmarks/decode_loop_cost.py --specs kivi-4 --configs 32:4 16:1  # BLOCK_T:NUM_WARPS pairs
+    python benchmarks/decode_loop_cost.py --specs kivi-4 --configs 32:1 --histogram 12 --prefill 128:64:8
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -35,8 +42,8 @@ import triton_compile_check as tcc  # noqa: E402
 ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x warp-instructions per clock x boost clock
 
 
-def loop_instructions(cubin: bytes) -> int:
-    """Instructions of the longest loop (from a backward branch's target to the branch) in a kernel's SASS."""
+def loop_opcodes(cubin: bytes) -> Counter:
+    """Opcodes of the longest loop (from a backward branch's target to the branch) in a kernel's SASS, counted."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
@@ -45,19 +52,36 @@ def loop_instructions(cubin: bytes) -> int:
         path.write_bytes(cubin)
         sass = subprocess.run([str(cuobjdump), "--dump-sass", str(path)], capture_output=True, text=True,
                               check=True).stdout
-    longest = 0
+    span = (0, 0)
     for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", sass):
         if m.group(2):
             here, target = int(m.group(1), 16), int(m.group(2), 16)
-            if target < here:
-                longest = max(longest, (here - target) // 16 + 1)  # 16-byte instructions
-    return longest
+            if target < here and here - target > span[1] - span[0]:
+                span = (target, here)
+    ops: Counter = Counter()
+    for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass):
+        if span[0] <= int(m.group(1), 16) <= span[1]:
+            ops[m.group(2)] += 1
+    return ops
+
+
+def loop_instructions(cubin: bytes) -> int:
+    """Instructions of the longest loop in a kernel's SASS."""
+    return sum(loop_opcodes(cubin).values())
+
+
+def _histogram(ops: Counter, top: int) -> None:
+    if top:
+        print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common(top)))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--specs", nargs="+", default=["kivi-4", "kivi-2", "int8", "fp8-e4m3"])
     p.add_argument("--configs", nargs="+", default=["32:4", "32:2", "16:1", "64:4"], metavar="BLOCK_T:NUM_WARPS")
+    p.add_argument("--histogram", type=int, default=0, metavar="N", help="print the loop's N most common opcodes")
+    p.add_argument("--prefill", nargs="*", default=[], metavar="BM:BN:WARPS",
+                   help="also the prefill kernel's loop at these launch shapes")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import triton
@@ -65,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from triton.runtime.jit import JITFunction
 
     from kernels._helpers import filled_layer, query_for
-    from kvsqueeze.kernels import triton_common, triton_decode, triton_pack
+    from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_prefill
     from kvsqueeze.spec import preset
 
     for mod in (triton_common, triton_decode, triton_pack):  # "a GPU is here": the kernels' routes
@@ -105,10 +129,47 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {spec} | {bt} | {warps} | compile failed: {errors[0][:200]} |")
                 continue
             regs, spills = compiler.usage["_partials_kernel"]
-            n = loop_instructions(compiled["_partials_kernel"].asm["cubin"])
+            ops = loop_opcodes(compiled["_partials_kernel"].asm["cubin"])
+            n = sum(ops.values())
             wpt = n * warps / bt
             print(f"| {spec} | {bt} | {warps} | {regs} | {spills} | {n} | {wpt:.1f} | {per_token:.0f} | "
                   f"{wpt / per_token:.2f} | {ISSUE_PER_S / (wpt / per_token) / 1e9:.0f} |")
+            _histogram(ops, args.histogram)
+    if args.prefill:
+        print("\nprefill over a packed segment (a program: BM query rows of one kv head, tiles of BN tokens)\n")
+        print("| format | BM | BN | warps | registers | spill bytes | loop instr / warp | warp-instr / token / 128 rows |")
+        print("|---|---|---|---|---|---|---|---|")
+    for spec in args.specs if args.prefill else ():
+        layer = filled_layer(dataclasses.replace(preset(spec), block_tokens=128), batch=1, kv_heads=2, head_dim=128,
+                             stored=300, pooled=True, dtype=torch.bfloat16, new=40)
+        for cfg in args.prefill:
+            bm, bn, warps = (int(x) for x in cfg.split(":"))
+            triton_prefill.BLOCK_M, triton_prefill.BLOCK_N, triton_prefill.NUM_WARPS = bm, bn, warps
+            first: dict = {}  # the packed segment's launch is the first prefill compilation of the step
+
+            def keep_first(src, target=None, options=None, first=first):
+                kernel = real_compile(src, target=target, options=options)
+                first.setdefault(src.name, kernel)
+                return kernel
+
+            tcc.triton.compile = keep_first
+            compiler = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True)
+            saved = JITFunction.run
+            JITFunction.run = lambda fn, *a, grid, warmup, c=compiler, **kw: c.run(fn, *a, grid=grid, warmup=warmup,
+                                                                                   **kw)
+            try:
+                triton_decode.attend(query_for(layer, 8, 40), layer.plan(), None, 0.125)
+            finally:
+                JITFunction.run = saved
+            errors = [e for _, e in compiler.results if e]
+            if errors:
+                print(f"| {spec} | {bm} | {bn} | {warps} | compile failed: {errors[0][:200]} |")
+                continue
+            regs, spills = compiler.usage["_prefill_segment_kernel"]
+            ops = loop_opcodes(first["_prefill_segment_kernel"].asm["cubin"])
+            n = sum(ops.values())
+            print(f"| {spec} | {bm} | {bn} | {warps} | {regs} | {spills} | {n} | {n * warps / bn * 128 / bm:.0f} |")
+            _histogram(ops, args.histogram)
     return 0
 
 

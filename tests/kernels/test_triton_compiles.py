@@ -41,11 +41,20 @@ def test_the_decode_loop_cost_is_read_from_the_machine_code():
     if not _ptxas() or not _tool("cuobjdump"):
         pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump)")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_loop_cost.py"), "--specs", "fp8-e4m3",
-                          "--configs", "32:4"], capture_output=True, text=True, env=script_env(TRITON_INTERPRET=None),
-                         timeout=600)
+                          "--configs", "32:4", "--histogram", "3", "--prefill", "64:32:4"], capture_output=True,
+                         text=True, env=script_env(TRITON_INTERPRET=None), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    row = next(line for line in run.stdout.splitlines() if line.startswith("| fp8-e4m3 | 32 | 4 |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    lines = run.stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("| fp8-e4m3 | 32 | 4 |"))
+    cells = [c.strip() for c in lines[i].strip("|").split("|")]
     regs, loop, per_token, ceiling = int(cells[3]), int(cells[5]), float(cells[6]), float(cells[9])
     assert 0 < regs <= 255 and 50 < loop < 5000 and per_token == pytest.approx(loop * 4 / 32, rel=0.01)
-    assert 100 < ceiling < 100000, row
+    assert 100 < ceiling < 100000, lines[i]
+    # the histogram: three opcodes whose counts are part of the loop's
+    counts = [int(part.rsplit(" ", 1)[1]) for part in lines[i + 1].strip().split(", ")]
+    assert len(counts) == 3 and 0 < sum(counts) <= loop, lines[i + 1]
+    # the prefill's loop over the packed segment, per token per 128 query rows
+    j = next(j for j, line in enumerate(lines) if line.startswith("| fp8-e4m3 | 64 | 32 | 4 |"))
+    cells = [c.strip() for c in lines[j].strip("|").split("|")]
+    loop = int(cells[6])
+    assert 50 < loop < 5000 and float(cells[7]) == pytest.approx(loop * 4 / 32 * 2, rel=0.01), lines[j]
