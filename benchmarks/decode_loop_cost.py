@@ -65,9 +65,31 @@ def loop_opcodes(cubin: bytes) -> Counter:
     return ops
 
 
-def loop_instructions(cubin: bytes) -> int:
-    """Instructions of the longest loop in a kernel's SASS."""
-    return sum(loop_opcodes(cubin).values())
+def compile_step(layer, new: int) -> tuple[tcc.Compiler, dict]:
+    """Every kernel one attention step of ``new`` query tokens over ``layer`` launches, compiled for sm_90 (nothing
+    launched): the compiler (errors, ptxas registers and spills) and each kernel's first compilation by name (a
+    prefill step's first is its packed segment's launch)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+
+    from kernels._helpers import query_for
+    from kvsqueeze.kernels import triton_decode
+
+    compiler, first = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True), {}
+    real_compile, real_run = tcc.triton.compile, JITFunction.run
+
+    def keep(src, target=None, options=None):
+        kernel = real_compile(src, target=target, options=options)
+        first.setdefault(src.name, kernel)
+        return kernel
+
+    tcc.triton.compile = keep
+    JITFunction.run = lambda fn, *a, grid, warmup, **kw: compiler.run(fn, *a, grid=grid, warmup=warmup, **kw)
+    try:
+        triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
+    finally:
+        tcc.triton.compile, JITFunction.run = real_compile, real_run
+    return compiler, first
 
 
 def _histogram(ops: Counter, top: int) -> None:
@@ -85,24 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import JITFunction
 
-    from kernels._helpers import filled_layer, query_for
+    from kernels._helpers import filled_layer
     from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_prefill
     from kvsqueeze.spec import preset
 
     for mod in (triton_common, triton_decode, triton_pack):  # "a GPU is here": the kernels' routes
         mod.available = lambda: True
-    compiled = {}
-    real_compile = triton.compile
-
-    def keep(src, target=None, options=None):
-        kernel = real_compile(src, target=target, options=options)
-        compiled[src.name] = kernel
-        return kernel
-
-    tcc.triton.compile = keep
     print(f"triton {triton.__version__}, sm_90, head_dim 128, 4 query rows per kv head, bf16\n")
     print("| format | BLOCK_T | warps | registers | spill bytes | loop instr / warp | warp-instr / token | "
           "bytes / token | warp-instr / byte | issue-bound GB/s (H200) |")
@@ -116,14 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in args.configs:
             bt, warps = (int(x) for x in cfg.split(":"))
             triton_decode.BLOCK_T, triton_decode.NUM_WARPS = bt, warps
-            compiler = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True)
-            saved = JITFunction.run
-            JITFunction.run = lambda fn, *a, grid, warmup, c=compiler, **kw: c.run(fn, *a, grid=grid, warmup=warmup,
-                                                                                   **kw)
-            try:
-                triton_decode.attend(query_for(layer, 8, 1), layer.plan(), None, 0.125)
-            finally:
-                JITFunction.run = saved
+            compiler, compiled = compile_step(layer, 1)
             errors = [e for _, e in compiler.results if e]
             if errors:
                 print(f"| {spec} | {bt} | {warps} | compile failed: {errors[0][:200]} |")
@@ -145,22 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in args.prefill:
             bm, bn, warps = (int(x) for x in cfg.split(":"))
             triton_prefill.BLOCK_M, triton_prefill.BLOCK_N, triton_prefill.NUM_WARPS = bm, bn, warps
-            first: dict = {}  # the packed segment's launch is the first prefill compilation of the step
-
-            def keep_first(src, target=None, options=None, first=first):
-                kernel = real_compile(src, target=target, options=options)
-                first.setdefault(src.name, kernel)
-                return kernel
-
-            tcc.triton.compile = keep_first
-            compiler = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True)
-            saved = JITFunction.run
-            JITFunction.run = lambda fn, *a, grid, warmup, c=compiler, **kw: c.run(fn, *a, grid=grid, warmup=warmup,
-                                                                                   **kw)
-            try:
-                triton_decode.attend(query_for(layer, 8, 40), layer.plan(), None, 0.125)
-            finally:
-                JITFunction.run = saved
+            compiler, first = compile_step(layer, 40)
             errors = [e for _, e in compiler.results if e]
             if errors:
                 print(f"| {spec} | {bm} | {bn} | {warps} | compile failed: {errors[0][:200]} |")
