@@ -1,5 +1,6 @@
 """The Triton decode's launch shape: ``KVSQUEEZE_TRITON_DECODE`` and attention_micro's ``--gpu-configs`` take
-``BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` through one parser, which names what is allowed when refusing."""
+``BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` through one parser, which names what is allowed when refusing; the
+prefill's ``KVSQUEEZE_TRITON_PREFILL=BLOCK_M:BLOCK_N:NUM_WARPS`` likewise."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def test_the_environment_sets_the_launch_shape_or_is_refused_in_one_line():
     assert ok.returncode == 0 and ok.stdout.split() == ["16", "4096", "1", "128"], ok.stderr
     bad = _module_shape("16:x")
     assert bad.returncode != 0 and "KVSQUEEZE_TRITON_DECODE: a decode launch shape is" in bad.stderr
+
+
+def _prefill_shape(env_value: str) -> subprocess.CompletedProcess:
+    code = "from kvsqueeze.kernels import triton_prefill as t; print(t.BLOCK_M, t.BLOCK_N, t.NUM_WARPS)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=script_env(KVSQUEEZE_TRITON_PREFILL=env_value), timeout=300)
+
+
+def test_the_prefill_launch_shape_comes_from_the_environment():
+    ok = _prefill_shape("64:32:4")
+    assert ok.returncode == 0 and ok.stdout.split() == ["64", "32", "4"], ok.stderr
+
+
+@pytest.mark.parametrize("text", ["64:32", "x:32:4", "48:32:4", "64:8:4", "64:32:3"])
+def test_a_bad_prefill_launch_shape_is_refused_naming_the_form(text):
+    bad = _prefill_shape(text)
+    assert bad.returncode != 0 and "KVSQUEEZE_TRITON_PREFILL" in bad.stderr and "BLOCK_M" in bad.stderr, bad.stderr
