@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from kvsqueeze import QuantizedCache
+from kvsqueeze.cache.emulate import fake_quantize_cache
 from kvsqueeze.calibrate import calibrate, load_artifact
-from kvsqueeze.calibrate.auto import candidates, cost_units, knapsack, window_kl
+from kvsqueeze.calibrate.auto import candidates, causal_attention_out, cost_units, knapsack, window_kl
+from kvsqueeze.calibrate.clip import attention_out
 from kvsqueeze.calibrate.collect import CalibrationData
 from kvsqueeze.calibrate.methods import REGISTRY, settings_from
 from kvsqueeze.calibrate.methods.auto import AutoSettings
@@ -84,3 +86,30 @@ def test_window_kl_is_zero_without_quantization_and_grows_with_fewer_bits(tiny_l
         q = QuantSpec(fmt="int", bits=b, axis="token", group=32)
         kl.append(window_kl(tiny_llama, ids, [CacheSpec(key=q, value=q, window=128, sinks=2)] * 2))
     assert 0 < kl[0] < kl[1]
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_causal_attention_out_in_query_chunks_equals_one_pass(monkeypatch, chunk):
+    """window_kl's attention, a chunk of queries at a time against the keys up to the chunk's last, gives what one
+    pass over every [query, key] pair gives (window, sinks and flush granularity included)."""
+    from kvsqueeze.calibrate import auto
+
+    monkeypatch.setattr(auto, "QUERY_CHUNK", chunk)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, h, 150, 16, generator=g) for h in (4, 2, 2))
+    spec = CacheSpec(key=QuantSpec(fmt="int", bits=2, axis="channel", group=16),
+                     value=QuantSpec(fmt="int", bits=3, axis="token", group=16), window=32, sinks=3)
+    k_hat, v_hat = fake_quantize_cache(k, v, spec)
+    whole = attention_out(q, k, v, torch.arange(150), 0.25, k_hat, v_hat, spec.window, spec.sinks,
+                          flush=spec.flush_tokens, softcap=30.0)
+    got = causal_attention_out(q, k, v, 0.25, k_hat, v_hat, spec, softcap=30.0)
+    torch.testing.assert_close(got.reshape(whole.shape), whole, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(k_hat, k)  # the quantized keys are in play
+
+
+def test_window_kl_keeps_sliding_layers_to_their_window(tiny_mixed_sliding):
+    """With a window longer than the sequence nothing is quantized, so the emulated attention must be the model's
+    own - sliding layers (window 16 here) seeing only their last keys - and the KL zero."""
+    q = QuantSpec(fmt="int", bits=2, axis="token", group=32)
+    spec = CacheSpec(key=q, value=q, window=128, sinks=0)
+    assert window_kl(tiny_mixed_sliding, _ids(1, 100, seed=4), [spec] * 4) == pytest.approx(0.0, abs=1e-7)

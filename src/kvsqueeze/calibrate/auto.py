@@ -161,34 +161,79 @@ def knapsack(costs: list[list[float]], units: list[list[int]], budget: int) -> l
 
 
 # ------------------------------------------------------------------------------------------------ end to end
-@torch.no_grad()
-def window_kl(model: Any, ids: torch.Tensor, layer_specs: list[CacheSpec | None]) -> float:
+QUERY_CHUNK = 256  # queries per attention_out call of a full sequence
+
+
+def causal_attention_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, k_hat: torch.Tensor,
+                         v_hat: torch.Tensor, spec: CacheSpec, softcap: float | None = None,
+                         visible: int | None = None) -> torch.Tensor:
+    """attention_out at every position of q [B, Hq, T, D] as the cache of ``spec`` would serve it (``visible``: a
+    sliding layer's window), [B, Hkv, rep, T, D]: QUERY_CHUNK queries at a time against the keys up to the chunk's
+    last only (later keys are masked out anyway), so the work and the temporaries are a fraction of one [T, T] pass
+    and the result is the same."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    outs = []
+    for a in range(0, t, QUERY_CHUNK):
+        e = min(t, a + QUERY_CHUNK)
+        o = attention_out(q[:, :, a:e], k[:, :, :e], v[:, :, :e], torch.arange(a, e), scaling, k_hat[:, :, :e],
+                          v_hat[:, :, :e], spec.window, spec.sinks, q_selected=True, flush=spec.flush_tokens,
+                          visible=visible, softcap=softcap)
+        outs.append(o.view(b, hkv, hq // hkv, e - a, d))
+    return torch.cat(outs, dim=3)
+
+
+class WindowKL:
     """Mean KL(full || quantized) of the next-token distributions over ``ids`` [N, L], every layer quantized with
-    its spec (None = exact) as the window protocol's queries see the cache."""
-    from ..adapter import attention_override, sdpa_attention_forward
+    its spec (None = exact) as the window protocol's queries see the cache; ``kl(layer_specs)``.  The
+    full-precision model's log-probabilities are computed once and kept (up to ``keep_bytes``), so each further
+    assignment measured costs one quantized forward per sequence."""
 
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-        spec = layer_specs[module.layer_idx]
-        if spec is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kw)
-        sc = query.shape[-1] ** -0.5 if scaling is None else scaling
-        k_hat, v_hat = fake_quantize_cache(key.float(), value.float(), spec)
-        pos = torch.arange(query.shape[2])
-        o = attention_out(query, key, value, pos, sc, k_hat, v_hat, spec.window, spec.sinks,
-                          flush=spec.flush_tokens, softcap=kw.get("softcap"))  # [B, Hkv, rep*T, D]
-        b, hq, t, d = query.shape
-        return o.reshape(b, hq, t, d).transpose(1, 2).to(query.dtype).contiguous(), None
+    def __init__(self, model: Any, ids: torch.Tensor, keep_bytes: int = 2 << 30):
+        self.model, self.ids = model, ids
+        self.keep = ids.numel() * model.config.get_text_config().vocab_size * 4 <= keep_bytes
+        self.refs: dict[int, torch.Tensor] = {}
 
-    total, count = 0.0, 0
-    for row in range(ids.shape[0]):
-        x = ids[row:row + 1]
-        ref = torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1)
-        with attention_override(model, attend):
-            got = torch.log_softmax(model(x, use_cache=False).logits[0].float(), -1)
-        total += float((ref.exp() * (ref - got)).sum())
-        count += ref.shape[0]
-    return total / count
+    def _reference(self, row: int) -> torch.Tensor:
+        if row in self.refs:
+            return self.refs[row]
+        ref = torch.log_softmax(self.model(self.ids[row:row + 1], use_cache=False).logits[0].float(), -1)
+        if self.keep:
+            self.refs[row] = ref
+        return ref
+
+    @torch.no_grad()
+    def kl(self, layer_specs: list[CacheSpec | None]) -> float:
+        from ..adapter import attention_override, sdpa_attention_forward
+
+        def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+            spec = layer_specs[module.layer_idx]
+            if spec is None:
+                return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kw)
+            sc = query.shape[-1] ** -0.5 if scaling is None else scaling
+            visible = kw.get("sliding_window") or getattr(module, "sliding_window", None)
+            if visible is not None and spec.sinks:  # a sliding layer keeps no sinks (as layer_scope says)
+                spec = dataclasses.replace(spec, sinks=0)
+            k_hat, v_hat = fake_quantize_cache(key.float(), value.float(), spec)
+            o = causal_attention_out(query, key, value, sc, k_hat, v_hat, spec, kw.get("softcap"),
+                                     visible)  # [B, Hkv, rep, T, D]
+            b, hq, t, d = query.shape
+            return o.reshape(b, hq, t, d).transpose(1, 2).to(query.dtype).contiguous(), None
+
+        total, count = 0.0, 0
+        for row in range(self.ids.shape[0]):
+            ref = self._reference(row)
+            with attention_override(self.model, attend):
+                got = torch.log_softmax(self.model(self.ids[row:row + 1], use_cache=False).logits[0].float(), -1)
+            total += float((ref.exp() * (ref - got)).sum())
+            count += ref.shape[0]
+        return total / count
+
+
+def window_kl(model: Any, ids: torch.Tensor, layer_specs: list[CacheSpec | None]) -> float:
+    """WindowKL(model, ids).kl(layer_specs): one assignment measured."""
+    return WindowKL(model, ids).kl(layer_specs)
 
 
 @dataclasses.dataclass
@@ -234,6 +279,8 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
         return Plan([(chosen[i, "key"], chosen[i, "value"]) if i in layers else (QuantSpec(fmt="none"),) * 2
                      for i in range(len(acts.layers))], pred, avg, predicted_keys=pred_keys)
 
+    probe = WindowKL(model, ids)
+
     def measure(plan: Plan) -> None:
         def specs(which: str) -> list[CacheSpec | None]:
             out: list[CacheSpec | None] = []
@@ -245,9 +292,9 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
                                      value=v if which != "key" else QuantSpec(fmt="none"), window=window,
                                      sinks=sinks))
             return out
-        plan.kl = window_kl(model, ids, specs("both"))
-        plan.kl_keys = window_kl(model, ids, specs("key"))
-        plan.kl_values = window_kl(model, ids, specs("value"))
+        plan.kl = probe.kl(specs("both"))
+        plan.kl_keys = probe.kl(specs("key"))
+        plan.kl_values = probe.kl(specs("value"))
 
     plan = solve({"key": 1.0, "value": 1.0})
     record: dict[str, Any] = {"measure": "0.5*sum(G^2 dO^2), G = dNLL/d(attention output), window protocol",
