@@ -92,6 +92,17 @@ def compile_step(layer, new: int) -> tuple[tcc.Compiler, dict]:
     return compiler, first
 
 
+def kernel_loop(layer, new: int, kernel: str) -> tuple[int, int, Counter] | str:
+    """(registers, spill bytes, loop opcodes) of ``kernel`` as one attention step of ``new`` query tokens over
+    ``layer`` compiles it for sm_90, or the first compile error."""
+    compiler, first = compile_step(layer, new)
+    errors = [e for _, e in compiler.results if e]
+    if errors:
+        return errors[0][:200]
+    regs, spills = compiler.usage[kernel]
+    return regs, spills, loop_opcodes(first[kernel].asm["cubin"])
+
+
 def _histogram(ops: Counter, top: int) -> None:
     if top:
         print("    " + ", ".join(f"{op} {n}" for op, n in ops.most_common(top)))
@@ -127,13 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in args.configs:
             bt, warps = (int(x) for x in cfg.split(":"))
             triton_decode.BLOCK_T, triton_decode.NUM_WARPS = bt, warps
-            compiler, compiled = compile_step(layer, 1)
-            errors = [e for _, e in compiler.results if e]
-            if errors:
-                print(f"| {spec} | {bt} | {warps} | compile failed: {errors[0][:200]} |")
+            got = kernel_loop(layer, 1, "_partials_kernel")
+            if isinstance(got, str):
+                print(f"| {spec} | {bt} | {warps} | compile failed: {got} |")
                 continue
-            regs, spills = compiler.usage["_partials_kernel"]
-            ops = loop_opcodes(compiled["_partials_kernel"].asm["cubin"])
+            regs, spills, ops = got
             n = sum(ops.values())
             wpt = n * warps / bt
             print(f"| {spec} | {bt} | {warps} | {regs} | {spills} | {n} | {wpt:.1f} | {per_token:.0f} | "
@@ -149,13 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in args.prefill:
             bm, bn, warps = (int(x) for x in cfg.split(":"))
             triton_prefill.BLOCK_M, triton_prefill.BLOCK_N, triton_prefill.NUM_WARPS = bm, bn, warps
-            compiler, first = compile_step(layer, 40)
-            errors = [e for _, e in compiler.results if e]
-            if errors:
-                print(f"| {spec} | {bm} | {bn} | {warps} | compile failed: {errors[0][:200]} |")
+            got = kernel_loop(layer, 40, "_prefill_segment_kernel")
+            if isinstance(got, str):
+                print(f"| {spec} | {bm} | {bn} | {warps} | compile failed: {got} |")
                 continue
-            regs, spills = compiler.usage["_prefill_segment_kernel"]
-            ops = loop_opcodes(first["_prefill_segment_kernel"].asm["cubin"])
+            regs, spills, ops = got
             n = sum(ops.values())
             print(f"| {spec} | {bm} | {bn} | {warps} | {regs} | {spills} | {n} | {n * warps / bn * 128 / bm:.0f} |")
             _histogram(ops, args.histogram)

@@ -136,10 +136,9 @@ def drive(quick: bool) -> None:
         lay.commit()
         lay.write_token(k[:, :, :1], k[:, :, :1])
         triton_static.attend(torch.randn(2, 4, 1, 64, dtype=torch.bfloat16), None, 0.125, lay, lay.tensors())
-        for side in "kv":  # the flush from the ring, the count read on the device
-            parts = {n.split(".", 1)[1]: t for n, t in lay.parts.items() if n.startswith(side + ".")}
-            triton_pack.encode_ring(lay.codecs[side].fmt, lay.ring_k, parts, lay.count, lay.S, lay.W, lay.G,
-                                    lay.rows)
+        count, ring_k, ring_v, k_parts, v_parts = lay.split(lay.tensors())
+        for side, ring, parts in (("k", ring_k, k_parts), ("v", ring_v, v_parts)):  # the flush, count on the device
+            triton_pack.encode_ring(lay.codecs[side].fmt, ring, parts, count, lay.S, lay.W, lay.G, lay.rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,12 +141,17 @@ def resolve_backend(name: str, device: torch.device) -> Callable:
     return mod.attend
 
 
-def fast_encoder(fmt, x: torch.Tensor, into=None):
-    """The Triton quantize-and-pack for CUDA tensors (``KVSQUEEZE_TRITON_ENCODE=0`` switches it off, ``=1`` also
-    uses it for CPU tensors under Triton's interpreter); None hands the tokens back to the torch codec.  ``into``
-    (a pooled store's PoolTarget): written into the pool's slots in place."""
+def _triton_packs(x: torch.Tensor) -> bool:
+    """Whether the Triton pack encodes ``x``: CUDA tensors (``KVSQUEEZE_TRITON_ENCODE=0`` switches it off, ``=1``
+    also takes CPU tensors, under Triton's interpreter)."""
     flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
-    if flag == "0" or not (x.is_cuda or flag == "1"):
+    return flag != "0" and (x.is_cuda or flag == "1")
+
+
+def fast_encoder(fmt, x: torch.Tensor, into=None):
+    """The Triton quantize-and-pack where _triton_packs says so; None hands the tokens back to the torch codec.
+    ``into`` (a pooled store's PoolTarget): written into the pool's slots in place."""
+    if not _triton_packs(x):
         return None
     from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
 
@@ -157,8 +162,7 @@ def ring_encoder(fmt, ring: torch.Tensor, parts: dict, count: torch.Tensor, sink
                  rows: int) -> bool:
     """A static layer's flush by the Triton pack, reading its ring and count on the device (where fast_encoder
     would run); False hands it back to the torch codec."""
-    flag = os.environ.get("KVSQUEEZE_TRITON_ENCODE", "")
-    if flag == "0" or not (ring.is_cuda or flag == "1"):
+    if not _triton_packs(ring):
         return False
     from .kernels import triton_pack
 

@@ -26,10 +26,16 @@ def test_a_bad_launch_shape_is_refused_naming_the_form(text):
         triton_decode.parse_launch(text)
 
 
-def _module_shape(env_value: str) -> subprocess.CompletedProcess:
-    code = "from kvsqueeze.kernels import triton_decode as t; print(t.BLOCK_T, t.TARGET_PROGRAMS, t.NUM_WARPS, t.CHUNK)"
+def _launch_shape(module: str, names: str, variable: str, env_value: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter with ``variable=env_value`` imports kvsqueeze.kernels.``module`` and prints ``names``."""
+    code = f"from kvsqueeze.kernels import {module} as t; print({', '.join('t.' + n for n in names.split())})"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=script_env(KVSQUEEZE_TRITON_DECODE=env_value), timeout=300)
+                          env=script_env(**{variable: env_value}), timeout=300)
+
+
+def _module_shape(env_value: str) -> subprocess.CompletedProcess:
+    return _launch_shape("triton_decode", "BLOCK_T TARGET_PROGRAMS NUM_WARPS CHUNK", "KVSQUEEZE_TRITON_DECODE",
+                         env_value)
 
 
 def test_the_environment_sets_the_launch_shape_or_is_refused_in_one_line():
@@ -40,9 +46,7 @@ def test_the_environment_sets_the_launch_shape_or_is_refused_in_one_line():
 
 
 def _prefill_shape(env_value: str) -> subprocess.CompletedProcess:
-    code = "from kvsqueeze.kernels import triton_prefill as t; print(t.BLOCK_M, t.BLOCK_N, t.NUM_WARPS)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=script_env(KVSQUEEZE_TRITON_PREFILL=env_value), timeout=300)
+    return _launch_shape("triton_prefill", "BLOCK_M BLOCK_N NUM_WARPS", "KVSQUEEZE_TRITON_PREFILL", env_value)
 
 
 def test_the_prefill_launch_shape_comes_from_the_environment():
