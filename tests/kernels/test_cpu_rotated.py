@@ -48,6 +48,16 @@ def test_head_dims(head_dim, spec):
     assert_matches_reference(cpu.attend, layer, 2, 1)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("q_per_kv", [1, 2, 4, 5])
+@pytest.mark.parametrize("spec", ["rot-3.5", "k3.25r-v1.5r-w32-s1"])
+def test_query_rows_per_kv_head(spec, q_per_kv, head_dim):
+    """Every row-group size of the codebook loops (1-4 query rows per call; 5 = 4 + 1), with 16-level (4-bit)
+    high runs, 1-bit low runs and the value passes' remainders."""
+    layer = filled_layer(spec, batch=1, kv_heads=2, head_dim=head_dim, stored=300, new=1)
+    assert_matches_reference(cpu.attend, layer, 2 * q_per_kv, 1)
+
+
 @pytest.mark.parametrize("stored", [3, 131, 260, 700])
 def test_centred_group_boundaries(stored):
     """Centred layouts: blocks of two 128-token groups, tiles crossing a group's end, partly filled blocks."""

@@ -31,6 +31,11 @@ struct CbRow {
   alignas(64) int32_t lo[NV][VW];  // mixed vector, low-run lanes: 16 (AVX-512: table select bit), -1 (AVX2: blend)
   int off[NV], kind[NV];
   int bytes = 0, need = 0;  // row bytes; bytes a row's windows read from its start
+  // split: vectors [0, nhv) all high-run lanes, the rest all low-run (no mixed vector: every width in eighths of
+  // a bit at head_dim 64, quarters at 128), and a low run of at most 8 levels; the token loops then know each
+  // vector's kind at compile time (cb_scores_split, cb_values_split)
+  int nhv = 0;
+  bool split = false;
   // false when a vector's codes do not fit one 16-byte window (cannot happen for VW <= 16 and widths <= 4)
   bool init(const Fmt& f) {
     const int nh = cb_n_hi(f), bh = f.bits, bl = cb_bits_lo(f);
@@ -67,6 +72,10 @@ struct CbRow {
       // each 128-bit lane indexes its own copy of the window: the pattern of lanes 4..7 is the same bytes
       need = std::max(need, off[v] + 16);
     }
+    nhv = 0;
+    while (nhv < NV && kind[nhv] == CB_HI) ++nhv;
+    split = nhv == NV || bl <= 3;
+    for (int v = nhv; v < NV; ++v) split = split && kind[v] == CB_LO;
     return true;
   }
 };
@@ -75,6 +84,7 @@ struct CbRow {
 // entries 0-7 and 8-15), and the levels of vector v of a row
 struct CbTables {
   alignas(64) float hi[16], lo[16];
+  int bits_hi, bits_lo;
   bool four_hi, four_lo;
   template <int DT>
   CbTables(const Side& sd, std::integral_constant<int, DT>) {
@@ -85,6 +95,8 @@ struct CbTables {
       hi[e] = lh[e & ((1 << bh) - 1)];
       lo[e] = ll[e & ((1 << bl) - 1)];
     }
+    bits_hi = bh;
+    bits_lo = bl;
     four_hi = bh == 4;
     four_lo = bl == 4;
   }
@@ -111,12 +123,24 @@ struct CbLevels {
     }
     return reinterpret_cast<vf>(out);
   }
+  // vector v when all its lanes are of one run (HI: the high run), known to the caller: no kind test
+  template <bool HI, bool FOUR>
+  __attribute__((always_inline)) inline vf pure(const uint8_t* row, int v) const {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
+    const __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])),
+                                          _mm512_load_si512(cr.shift[v]));
+    return reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, HI ? thi : tlo));
+  }
 #else
   __m256 ha, hb, la, lb;
+  __m256i shi, slo;  // split layouts: lane l's code at bit l * bits of its vector's first 4 bytes
   bool four_hi, four_lo;
   CbLevels(const CbRow<DT>& c, const CbTables& tb)
       : cr(c), ha(_mm256_load_ps(tb.hi)), hb(_mm256_load_ps(tb.hi + 8)), la(_mm256_load_ps(tb.lo)),
-        lb(_mm256_load_ps(tb.lo + 8)), four_hi(tb.four_hi), four_lo(tb.four_lo) {}
+        lb(_mm256_load_ps(tb.lo + 8)),
+        shi(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(tb.bits_hi))),
+        slo(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(tb.bits_lo))),
+        four_hi(tb.four_hi), four_lo(tb.four_lo) {}
   static __attribute__((always_inline)) inline __m256 lookup(__m256i idx, __m256 a, __m256 b, bool four) {
     __m256 v = _mm256_permutevar8x32_ps(a, idx);
     if (four)  // bit 3 of the code picks the upper half of a 16-level table
@@ -138,6 +162,18 @@ struct CbLevels {
                              _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(cr.lo[v]))));
     }
     return reinterpret_cast<vf>(out);
+  }
+  // vector v when all its lanes are of one run (HI: the high run; FOUR: its table has 16 levels), known to the
+  // caller: the kind and width tests of operator() cost ~5 instructions per vector and token
+  // In a split layout a vector's 8 codes are one run of 8 x bits <= 32 bits from byte off[v] (runs start at
+  // multiples of 8 coordinates): one 4-byte broadcast and one shift place them, where the byte shuffle of
+  // operator() serves codes anywhere in a 16-byte window.
+  template <bool HI, bool FOUR>
+  __attribute__((always_inline)) inline vf pure(const uint8_t* row, int v) const {
+    uint32_t w;
+    std::memcpy(&w, row + cr.off[v], sizeof(w));  // (the row's windows may read 16 bytes: CbRow::need)
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), HI ? shi : slo);
+    return reinterpret_cast<vf>(HI ? lookup(idx, ha, hb, FOUR) : lookup(idx, la, lb, FOUR));
   }
 #endif
 };
@@ -185,14 +221,37 @@ struct CbRows {
     }
     return reinterpret_cast<const uint8_t*>(row);
   }
+  // Tokens [0, safe(n)) whose windows stay inside the storage: read with direct() (no test, no copy)
+  int safe(int n) const {
+    if (row0 + (n - 1) * sr + cr.need <= end) return n;
+    if (row0 + cr.need > end) return 0;
+    const int64_t k = (end - cr.need - row0) / sr + 1;  // rows 0..k-1 end inside
+    return static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(n, k)));
+  }
+  __attribute__((always_inline)) inline const uint8_t* direct(int t) const {
+    const char* row = row0 + t * sr;
+    __builtin_prefetch(row + PREFETCH_BYTES);
+    return reinterpret_cast<const uint8_t*>(row);
+  }
 };
+
+// Levels of vector v: MODE CB_ANY tests the vector's kind (any layout); CB_SPLIT / CB_SPLIT4 know the layout is
+// split (CbRow::split) and the high run's table has 8 / 16 levels.
+enum { CB_ANY = 0, CB_SPLIT = 1, CB_SPLIT4 = 2 };
+template <int MODE, int DT>
+__attribute__((always_inline)) inline vf cb_level(const CbLevels<DT>& lv, const uint8_t* row, int v, int nhv) {
+  if constexpr (MODE == CB_ANY) return lv(row, v);
+  else if (v < nhv) return lv.template pure<true, MODE == CB_SPLIT4>(row, v);
+  else return lv.template pure<false, false>(row, v);
+}
 
 // dot_t = q' . cb[codes_t] for RB query rows (natural order), s = dot_t * scale_t.  AVX-512: TU = 4 tokens at a
 // time are summed pairwise in registers (levels 0-1 of reduce_tokens) and the rest VW tokens at once (parking every
 // token's vector on the stack and reducing from level 0 cost a third of the loop); AVX2 (16 registers) parks each.
-template <int DT, int RB>
+template <int DT, int RB, int MODE>
 void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t b, int64_t h, int64_t t0, int n,
                const float* q, float* s, int64_t s_stride, const float* scale) {
+  const int nhv = cr.nhv;
   constexpr int NV = DT / VW, LTU = VW == 16 ? 2 : 0, TU = 1 << LTU, NB = VW / TU;
   const CbLevels<DT> lv(cr, tb);
   const CbRows<DT> rows(sd, cr, b, h, t0);
@@ -209,7 +268,7 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
       for (int r = 0; r < RB; ++r) odd[r] = vf{};
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        const vf x = lv(row, v);
+        const vf x = cb_level<MODE>(lv, row, v, nhv);
         for (int r = 0; r < RB; ++r) {
           if (VW == 8 && (v & 1)) odd[r] += loadf(q + r * DT + v * VW) * x;
           else acc[u][r] += loadf(q + r * DT + v * VW) * x;
@@ -237,9 +296,14 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
       const vf sv = loadf(scale + first);  // (scale has VW floats of padding)
       for (int r = 0; r < RB; ++r) {
         for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
-        float red[VW];
-        storef(red, reduce_tokens<LTU>(buf[r]) * sv);
-        std::memcpy(s + r * s_stride + first, red, sizeof(float) * cnt);
+        const vf red = reduce_tokens<LTU>(buf[r]) * sv;
+        if (cnt == VW) {  // the variable-length copy below is a call to memcpy
+          storef(s + r * s_stride + first, red);
+        } else {
+          float part[VW];
+          storef(part, red);
+          std::memcpy(s + r * s_stride + first, part, sizeof(float) * cnt);
+        }
       }
     }
   }
@@ -268,6 +332,60 @@ void cb_values(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
   }
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v) storef(acc + r * DT + v * VW, a[r][v]);
+}
+
+// cb_values for a split layout (CbRow::split): passes over the tokens, each for VP vectors of one run, so the RB x VP
+// accumulators stay in registers (RB = 3 rows at head_dim 64 need 24 on AVX2's 16: cb_values spent as many moves
+// to and from the stack as lookups) and each vector's kind and table are known in the loop.
+template <int DT, int RB, int VP, bool HI, bool FOUR>
+void cb_values_pass(const CbLevels<DT>& lv, const CbRows<DT>& rows, uint8_t* pad, int n, const float* p,
+                    int64_t p_stride, float* acc, int v0) {
+  vf a[RB][VP];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < VP; ++i) a[r][i] = vf{};
+  auto token = [&](int t, const uint8_t* row) __attribute__((always_inline)) {
+    vf pr[RB];
+    for (int r = 0; r < RB; ++r) pr[r] = splat(p[r * p_stride + t]);
+    for (int i = 0; i < VP; ++i) {
+      const vf x = lv.template pure<HI, FOUR>(row, v0 + i);
+      for (int r = 0; r < RB; ++r) a[r][i] += pr[r] * x;
+    }
+  };
+  const int ns = rows.safe(n);
+  for (int t = 0; t < ns; ++t) token(t, rows.direct(t));
+  for (int t = ns; t < n; ++t) token(t, rows(t, pad));
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < VP; ++i) {
+      float* dst = acc + r * DT + (v0 + i) * VW;
+      storef(dst, loadf(dst) + a[r][i]);
+    }
+}
+
+// Vectors per pass: RB x VP accumulators, RB broadcast weights, the level and up to two tables in the registers
+template <int DT, int RB>
+constexpr int cb_pass_vectors() {
+  constexpr int regs = VW == 16 ? 32 : 16, vp = (regs - RB - 4) / RB;
+  return std::max(1, std::min(DT / VW, vp));
+}
+
+template <int DT, int RB, bool HI, bool FOUR>
+void cb_values_run(const CbLevels<DT>& lv, const CbRows<DT>& rows, uint8_t* pad, int n, const float* p,
+                   int64_t p_stride, float* acc, int v0, int v1) {
+  constexpr int VP = cb_pass_vectors<DT, RB>();
+  int v = v0;
+  for (; v + VP <= v1; v += VP) cb_values_pass<DT, RB, VP, HI, FOUR>(lv, rows, pad, n, p, p_stride, acc, v);
+  for (; v < v1; ++v) cb_values_pass<DT, RB, 1, HI, FOUR>(lv, rows, pad, n, p, p_stride, acc, v);
+}
+
+template <int DT, int RB>
+void cb_values_split(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t b, int64_t h, int64_t t0,
+                     int n, const float* p, int64_t p_stride, float* acc) {
+  const CbLevels<DT> lv(cr, tb);
+  const CbRows<DT> rows(sd, cr, b, h, t0);
+  alignas(64) uint8_t pad[DT / 2 + 64] = {};
+  if (tb.four_hi) cb_values_run<DT, RB, true, true>(lv, rows, pad, n, p, p_stride, acc, 0, cr.nhv);
+  else cb_values_run<DT, RB, true, false>(lv, rows, pad, n, p, p_stride, acc, 0, cr.nhv);
+  cb_values_run<DT, RB, false, false>(lv, rows, pad, n, p, p_stride, acc, cr.nhv, DT / VW);
 }
 
 // Per-token scales of tokens [t0, t0+n) into out (centred: from each group's row, after its mean)
@@ -319,12 +437,17 @@ bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, cons
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* qr = qn + r0 * DT;
     float* sr = s + r0 * s_stride;
-    switch (rb) {
-      case 1: cb_scores<DT, 1>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-      case 2: cb_scores<DT, 2>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-      case 3: cb_scores<DT, 3>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-      default: cb_scores<DT, 4>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-    }
+    const int mode = !cr->split ? CB_ANY : tb.four_hi ? CB_SPLIT4 : CB_SPLIT;
+    [&]<int... M>(std::integer_sequence<int, M...>) {
+      ((mode == M ? [&] {
+         switch (rb) {
+           case 1: cb_scores<DT, 1, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+           case 2: cb_scores<DT, 2, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+           case 3: cb_scores<DT, 3, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+           default: cb_scores<DT, 4, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
+         }
+       }() : void()), ...);
+    }(std::make_integer_sequence<int, 3>{});
   }
   float mean[DT];
   cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {  // centred: + q' . mean_g over the group's tokens
@@ -368,6 +491,15 @@ bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, floa
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* pr = p + r0 * p_stride;
     float* ar = an + r0 * DT;
+    if (cr->split) {
+      switch (rb) {
+        case 1: cb_values_split<DT, 1>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+        case 2: cb_values_split<DT, 2>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+        case 3: cb_values_split<DT, 3>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+        default: cb_values_split<DT, 4>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
+      }
+      continue;
+    }
     switch (rb) {
       case 1: cb_values<DT, 1>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
       case 2: cb_values<DT, 2>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
