@@ -113,19 +113,3 @@ def test_window_kl_keeps_sliding_layers_to_their_window(tiny_mixed_sliding):
     q = QuantSpec(fmt="int", bits=2, axis="token", group=32)
     spec = CacheSpec(key=q, value=q, window=128, sinks=0)
     assert window_kl(tiny_mixed_sliding, _ids(1, 100, seed=4), [spec] * 4) == pytest.approx(0.0, abs=1e-7)
-
-
-@pytest.mark.parametrize("quantize_sliding", [False, True])
-def test_sliding_layers_stay_full_precision_unless_asked(tiny_mixed_sliding, quantize_sliding):
-    """As presets leave a hybrid model's sliding layers (0 and 2 here) in full precision, so does auto, and the
-    budget goes to the full-attention layers; --quantize-sliding gives every layer a format."""
-    data = CalibrationData(_ids(2, 200, seed=6), {"source": "random ids (test)"})
-    settings = AutoSettings(bits=3.0, window=128, sinks=0, refine=False, quantize_sliding=quantize_sliding)
-    art = calibrate(tiny_mixed_sliding, data, settings, "tiny", progress=False)
-    spec = art.cache_spec()
-    quantized = [k.quantized or v.quantized for k, v in spec.layer_overrides]
-    assert quantized == ([True] * 4 if quantize_sliding else [False, True, False, True])
-    assert spec.quantize_sliding == quantize_sliding
-    bits = [bits_per_element(q, 64) for (k, v), on in zip(spec.layer_overrides, quantized) if on for q in (k, v)]
-    assert sum(bits) / len(bits) <= 3.0 + 1e-9
-    assert art.name.endswith("sliding") == quantize_sliding

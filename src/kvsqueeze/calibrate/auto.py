@@ -22,9 +22,7 @@ What is measured, on the calibration slice only:
 Candidates are formats the cache and the C++/Triton kernels serve per layer: KIVI-style integers (1-4 bits,
 per-channel keys in 32-token groups, per-token values in 32-channel groups, fp16 parameters), rotated codebooks
 (keys centred per 128 tokens) at quarter-bit widths 1.5-4, and int8 per-token groups of 64.  A mixed assignment
-is uniform within each layer, so every layer's kernel call is a uniform one.  A hybrid model's sliding-window
-layers stay in full precision (their cache is bounded by the window), as every preset leaves them, unless
-``quantize_sliding``: the budget is spent on the full-attention layers.
+is uniform within each layer, so every layer's kernel call is a uniform one.
 """
 
 from __future__ import annotations
@@ -251,24 +249,14 @@ class Plan:
     predicted_keys: float = 0.0
 
 
-def budget_layers(acts: Activations, quantize_sliding: bool = False) -> list[int]:
-    """The layers an assignment gives formats to: every layer with a KV cache of its own, sliding-window layers
-    only with ``quantize_sliding`` (as presets, which leave them in full precision); all of them where every
-    layer slides."""
-    own = [i for i, la in enumerate(acts.layers) if la is not None]
-    full = [i for i in own if acts.layers[i].sliding_window is None]
-    return own if quantize_sliding or not full else full
-
-
 def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window: int, sinks: int,
-           progress: bool = True, refine: bool = True, quantize_sliding: bool = False
-           ) -> tuple[Plan, dict[str, Any]]:
+           progress: bool = True, refine: bool = True) -> tuple[Plan, dict[str, Any]]:
     """The assignment at ``bits`` and a record of the measurements (see the module docstring)."""
     from tqdm.auto import tqdm
 
-    layers = budget_layers(acts, quantize_sliding)
     grads = output_gradients(model, ids, progress)
     d = acts.head_dim
+    layers = [i for i, la in enumerate(acts.layers) if la is not None]
     cands = {s: candidates(s, d) for s in ("key", "value")}
     units = {s: [cost_units(q, d) for q in cands[s]] for s in cands}
     table: dict[tuple[int, str], list[float]] = {}

@@ -21,9 +21,6 @@ class AutoSettings:
                           negate=True)
     window: int = option(128, WINDOW_HELP, type=int)
     sinks: int = option(4, SINKS_HELP, type=int)
-    quantize_sliding: bool = option(False, "also give sliding-window layers (Gemma-2/3's local layers) quantized "
-                                    "formats; by default they stay in full precision, as every preset leaves them "
-                                    "(their cache is bounded by the window), and the budget goes to the other layers")
 
     def __post_init__(self) -> None:
         check_exact(self.window, self.sinks)
@@ -34,13 +31,12 @@ class AutoSettings:
                              f"group), got {self.window}")
 
     def name(self, model_name: str) -> str:
-        return clean_name([model_name, "auto", f"b{self.bits:g}", f"w{self.window}", f"s{self.sinks}"]
-                          + (["sliding"] if self.quantize_sliding else []))
+        return clean_name([model_name, "auto", f"b{self.bits:g}", f"w{self.window}", f"s{self.sinks}"])
 
 
 def run(job: Job, s: AutoSettings) -> list[dict[str, Side]]:
     plan, record = choose(job.model, job.activations(), job.data.ids, s.bits, s.window, s.sinks,
-                          progress=job.progress, refine=s.refine, quantize_sliding=s.quantize_sliding)
+                          progress=job.progress, refine=s.refine)
     return plan_layers(plan, record)
 
 
