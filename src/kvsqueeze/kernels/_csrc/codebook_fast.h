@@ -9,7 +9,9 @@
 //   the bottom of its 32-bit lane, one variable shift brings the code to bit 0, and one lane permutation of the
 //   level table (in a register) gives the level: vpermps reads only the low 4 (AVX2: 3) index bits, so a table
 //   with fewer levels is repeated to fill it and the bits above a code need no mask.  The one vector that holds the
-//   end of the high run and the start of the low run picks between the two tables per lane.
+//   end of the high run and the start of the low run picks between the two tables per lane.  On AVX2 every layout
+//   is split (runs are multiples of 8 coordinates, CbRow::split): a vector is all high-run or all low-run lanes, its
+//   8 codes lie in 4 bytes, placed by one broadcast and one shift, and the loops know each vector's table.
 // Scores: s_t = scale_t (q' . cb[codes_t]) + q' . mean_g: VW tokens' dot products are reduced at once
 // (reduce_lanes), then scaled; the mean term is one dot product per group.  Values: acc += (p_t scale_t) cb[codes_t],
 // plus (sum_t p_t) mean_g per group for centred values.  Queries and accumulators are in natural order here; the
