@@ -33,9 +33,9 @@ struct CbRow {
   alignas(64) int32_t lo[NV][VW];  // mixed vector, low-run lanes: 16 (AVX-512: table select bit), -1 (AVX2: blend)
   int off[NV], kind[NV];
   int bytes = 0, need = 0;  // row bytes; bytes a row's windows read from its start
-  // split: vectors [0, nhv) all high-run lanes, the rest all low-run (no mixed vector: every width in eighths of
-  // a bit at head_dim 64, quarters at 128), and a low run of at most 8 levels; the token loops then know each
-  // vector's kind at compile time (cb_scores_split, cb_values_split)
+  // split: vectors [0, nhv) all high-run lanes, the rest all low-run (no mixed vector: always on AVX2, whose
+  // vectors are 8 coordinates and split_bits' high runs multiples of 8), and a low run of at most 8 levels; the
+  // token loops then know each vector's kind (cb_level's split modes, cb_values_split)
   int nhv = 0;
   bool split = false;
   // false when a vector's codes do not fit one 16-byte window (cannot happen for VW <= 16 and widths <= 4)
@@ -166,10 +166,9 @@ struct CbLevels {
     return reinterpret_cast<vf>(out);
   }
   // vector v when all its lanes are of one run (HI: the high run; FOUR: its table has 16 levels), known to the
-  // caller: the kind and width tests of operator() cost ~5 instructions per vector and token
-  // In a split layout a vector's 8 codes are one run of 8 x bits <= 32 bits from byte off[v] (runs start at
-  // multiples of 8 coordinates): one 4-byte broadcast and one shift place them, where the byte shuffle of
-  // operator() serves codes anywhere in a 16-byte window.
+  // caller: the kind and width tests of operator() cost ~5 instructions per vector and token.  Such a vector's 8
+  // codes are 8 x bits <= 32 bits from byte off[v], lane 0's at bit 0 (runs start at multiples of 8 coordinates):
+  // one 4-byte broadcast and one shift place them, where operator()'s byte shuffle serves any 16-byte window.
   template <bool HI, bool FOUR>
   __attribute__((always_inline)) inline vf pure(const uint8_t* row, int v) const {
     uint32_t w;
