@@ -297,14 +297,7 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
       const vf sv = loadf(scale + first);  // (scale has VW floats of padding)
       for (int r = 0; r < RB; ++r) {
         for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
-        const vf red = reduce_tokens<LTU>(buf[r]) * sv;
-        if (cnt == VW) {  // the variable-length copy below is a call to memcpy
-          storef(s + r * s_stride + first, red);
-        } else {
-          float part[VW];
-          storef(part, red);
-          std::memcpy(s + r * s_stride + first, part, sizeof(float) * cnt);
-        }
+        store_first(s + r * s_stride + first, reduce_tokens<LTU>(buf[r]) * sv, cnt);
       }
     }
   }
@@ -446,17 +439,12 @@ bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, cons
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* qr = qn + r0 * DT;
     float* sr = s + r0 * s_stride;
-    const int mode = !cr->split ? CB_ANY : tb.four_hi ? CB_SPLIT4 : CB_SPLIT;
-    [&]<int... M>(std::integer_sequence<int, M...>) {
-      ((mode == M ? [&] {
-         switch (rb) {
-           case 1: cb_scores<DT, 1, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-           case 2: cb_scores<DT, 2, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-           case 3: cb_scores<DT, 3, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-           default: cb_scores<DT, 4, M>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc); break;
-         }
-       }() : void()), ...);
-    }(std::make_integer_sequence<int, 3>{});
+    with_rows(rb, [&](auto rows) {
+      constexpr int RB = decltype(rows)::value;
+      if (!cr->split) cb_scores<DT, RB, CB_ANY>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc);
+      else if (tb.four_hi) cb_scores<DT, RB, CB_SPLIT4>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc);
+      else cb_scores<DT, RB, CB_SPLIT>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc);
+    });
   }
   float mean[DT];
   cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {  // centred: + q' . mean_g over the group's tokens
@@ -500,21 +488,11 @@ bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, floa
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* pr = p + r0 * p_stride;
     float* ar = an + r0 * DT;
-    if (cr->split) {
-      switch (rb) {
-        case 1: cb_values_split<DT, 1>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-        case 2: cb_values_split<DT, 2>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-        case 3: cb_values_split<DT, 3>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-        default: cb_values_split<DT, 4>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-      }
-      continue;
-    }
-    switch (rb) {
-      case 1: cb_values<DT, 1>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-      case 2: cb_values<DT, 2>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-      case 3: cb_values<DT, 3>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-      default: cb_values<DT, 4>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar); break;
-    }
+    with_rows(rb, [&](auto rows) {
+      constexpr int RB = decltype(rows)::value;
+      if (cr->split) cb_values_split<DT, RB>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar);
+      else cb_values<DT, RB>(sd, *cr, tb, b, h, t0, n, pr, p_stride, ar);
+    });
   }
   for (int64_t r = 0; r < R; ++r)
     for (int j = 0; j < DT; ++j) acc[r * acc_stride + j] += an[r * DT + j];

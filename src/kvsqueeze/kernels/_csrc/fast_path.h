@@ -45,6 +45,29 @@ inline void storef(float* p, const vf& v) {
 #endif
 }
 
+// The first n <= VW lanes of v to p: a whole vector is one store, where a variable-length copy compiles to a call
+// to memcpy (or rep movsq: a sixth of the integer scores' step once)
+inline void store_first(float* p, const vf& v, int n) {
+  if (n == VW) {
+    storef(p, v);
+    return;
+  }
+  float part[VW];
+  storef(part, v);
+  std::memcpy(p, part, sizeof(float) * n);
+}
+
+// f(std::integral_constant<int, RB>) for a group of rb <= 4 query rows: the loops are compiled per row count
+template <class F>
+inline void with_rows(int rb, F&& f) {
+  switch (rb) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 // x in every lane: one vbroadcastss (vf{} + x compiled to a scalar add of +0 first, kept for signed zeros)
 inline vf splat(float x) {
 #if defined(__AVX512F__)
@@ -304,9 +327,7 @@ void fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     if (l == VW - 1 || t == n - 1) {
       for (int r = 0; r < RB; ++r) {
         for (int j = l + 1; j < VW; ++j) buf[r][j] = vf{};
-        float red[VW];
-        storef(red, reduce_lanes(buf[r]));
-        std::memcpy(s + r * s_stride + (t - l), red, sizeof(float) * (l + 1));
+        store_first(s + r * s_stride + (t - l), reduce_lanes(buf[r]), l + 1);
       }
     }
   }
@@ -529,12 +550,9 @@ void scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* qr = q + r0 * DT;
     float* sr = s + r0 * s_stride;
-    switch (rb) {
-      case 1: fast_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
-      case 2: fast_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
-      case 3: fast_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
-      default: fast_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C); break;
-    }
+    with_rows(static_cast<int>(rb), [&](auto rows) {
+      fast_scores<DT, BITS, KIND, decltype(rows)::value>(sd, b, h, t0, n, qr, sr, s_stride, gsel, tp.A, tp.C);
+    });
   }
 }
 
@@ -573,12 +591,9 @@ void values_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const 
     const int64_t rb = std::min<int64_t>(4, R - r0);
     const float* pr = p + r0 * p_stride;
     float* ar = acc + r0 * acc_stride;
-    switch (rb) {
-      case 1: values_block<DT, BITS, 1, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
-      case 2: values_block<DT, BITS, 2, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
-      case 3: values_block<DT, BITS, 3, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
-      default: values_block<DT, BITS, 4, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp); break;
-    }
+    with_rows(static_cast<int>(rb), [&](auto rows) {
+      values_block<DT, BITS, decltype(rows)::value, UNIFORM>(sd, b, h, t0, n, pr, p_stride, ar, acc_stride, gsel, tp);
+    });
   }
 }
 

@@ -411,13 +411,7 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
         const vf dots = __builtin_convertvector(reduce_tokens<L::START>(buf[r]), vf);
         const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
                                           : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
-        if (nb == VW) {  // a variable-length copy here compiled to rep movsq and took a sixth of the kernel
-          storef(s + r * s_stride + tb, sv);
-        } else {
-          float out[VW];
-          storef(out, sv);
-          std::memcpy(s + r * s_stride + tb, out, sizeof(float) * nb);
-        }
+        store_first(s + r * s_stride + tb, sv, nb);
       }
     }
   }
@@ -445,12 +439,9 @@ void int_scores_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
     const float* qr = qs + r0 * DT;
     const float* qnr = qn + r0 * DT;
     float* sr = s + r0 * s_stride;
-    switch (rb) {
-      case 1: int_scores<DT, BITS, KIND, 1>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
-      case 2: int_scores<DT, BITS, KIND, 2>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
-      case 3: int_scores<DT, BITS, KIND, 3>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
-      default: int_scores<DT, BITS, KIND, 4>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead); break;
-    }
+    with_rows(static_cast<int>(rb), [&](auto rows) {
+      int_scores<DT, BITS, KIND, decltype(rows)::value>(sd, b, h, t0, n, qr, qnr, sr, s_stride, A, C, chan, ahead);
+    });
   }
 }
 
