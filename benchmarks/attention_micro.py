@@ -30,7 +30,6 @@ of new tokens over a packed history through the Triton prefill kernel, the block
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from typing import NamedTuple
@@ -92,6 +91,8 @@ def bench_cpu(args) -> None:
 
 
 def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
+    from kvsqueeze.eval.benchkit import shuffled_rounds
+
     g = torch.Generator().manual_seed(ctx)
     layers: dict[str, list] = {p: [] for p in args.presets}
     dense32, qs = [], []
@@ -141,9 +142,7 @@ def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
     # Interleaved, so load changes hit every method alike, in a new order each repetition: in a fixed order the
     # method after SDPA (which reads the widest tensors) always met a cache SDPA had emptied, 10-25% slower on a
     # Zen 4 (one layer at 8k), enough to rank the AVX-512 build behind the AVX2 one for `full`.
-    order, shuffler = list(methods.items()), random.Random(ctx)
-    for _ in range(args.reps):
-        shuffler.shuffle(order)
+    for order in shuffled_rounds(list(methods.items()), args.reps, seed=ctx):
         for m, fn in order:
             times[m].append(fn())
     base = statistics.median(times[("SDPA fp32", "torch")])

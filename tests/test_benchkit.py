@@ -32,8 +32,19 @@ def test_interleaved_medians_round_robin_and_median():
         return run
 
     med = benchkit.interleaved_medians({"a": fn("a", 1), "b": fn("b", 3)}, repeats=3, warmup=1, clock=clock)
-    assert calls == ["a", "b"] * 4  # one warm-up round, then call i of each before call i+1 of any
+    assert calls[:2] == ["a", "b"]  # one warm-up round, then call i of each before call i+1 of any
+    rounds = [calls[i:i + 2] for i in range(2, 8, 2)]
+    assert all(sorted(r) == ["a", "b"] for r in rounds)
     assert med == {"a": 1.0, "b": 3.0}
+
+
+def test_interleaved_medians_vary_the_order():
+    calls: list[str] = []
+    fns = {n: (lambda n=n: calls.append(n)) for n in "abcd"}
+    benchkit.interleaved_medians(fns, repeats=12, warmup=0)
+    rounds = {tuple(calls[i:i + 4]) for i in range(0, 48, 4)}
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert len({r[0] for r in rounds}) > 1  # not always the same function first
 
 
 def test_machine_block_and_json_round_trip(tmp_path):
