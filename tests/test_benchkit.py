@@ -32,7 +32,7 @@ def test_interleaved_medians_round_robin_and_median():
         return run
 
     med = benchkit.interleaved_medians({"a": fn("a", 1), "b": fn("b", 3)}, repeats=3, warmup=1, clock=clock)
-    assert calls[:2] == ["a", "b"]  # one warm-up round, then call i of each before call i+1 of any
+    assert len(calls) == 8 and calls[:2] == ["a", "b"]  # one warm-up round, then call i of each before call i+1 of any
     rounds = [calls[i:i + 2] for i in range(2, 8, 2)]
     assert all(sorted(r) == ["a", "b"] for r in rounds)
     assert med == {"a": 1.0, "b": 3.0}
