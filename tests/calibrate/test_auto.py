@@ -113,3 +113,59 @@ def test_window_kl_keeps_sliding_layers_to_their_window(tiny_mixed_sliding):
     q = QuantSpec(fmt="int", bits=2, axis="token", group=32)
     spec = CacheSpec(key=q, value=q, window=128, sinks=0)
     assert window_kl(tiny_mixed_sliding, _ids(1, 100, seed=4), [spec] * 4) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_budget_weights_follow_the_tokens_each_layer_holds():
+    from types import SimpleNamespace
+
+    from kvsqueeze.calibrate.auto import budget_weights, held_tokens
+
+    glob, slid = SimpleNamespace(sliding_window=None), SimpleNamespace(sliding_window=512)
+    # Gemma-3-like at 2048 tokens, all quantized: a sliding layer keeps the 2 blocks of 256 its window sees
+    assert [held_tokens(la, 2048, 0, 0) for la in (glob, slid)] == [2048, 512]
+    assert held_tokens(slid, 1790, 0, 0) == 766  # a block is dropped only once no query sees any of it
+    assert held_tokens(slid, 1791, 0, 0) == 511
+    assert held_tokens(slid, 600, 0, 0) == 600  # nothing evicted yet
+    assert budget_weights([2048, 512, 512]) == [4, 1, 1]
+    # window protocol: the window and sinks stay exact (a sliding layer keeps no sinks)
+    assert [held_tokens(la, 2048, 128, 4) for la in (glob, slid)] == [1916, 384]
+    assert budget_weights([1916, 384]) == [479, 96]
+    w = budget_weights([100_003, 50_000], limit=64)  # no useful divisor: rounded, the ratio kept
+    assert w == [64, 32]
+    assert budget_weights([0, 0]) == [1, 1] and budget_weights([2048, 2048]) == [1, 1]
+
+
+def test_weighted_knapsack_holds_the_budget_over_held_elements():
+    """Two layers x two sides, the first holding 4x the tokens of the second: with equal weights the cheapest-loss
+    pick gives the big layer 4 bits and the small one 2, and the element average exceeds the budget; weighted, it
+    holds."""
+    from kvsqueeze.calibrate.auto import budget_weights
+
+    units = [[16, 24, 32]] * 4  # 2, 3, 4 bits in eighths
+    costs = [[9.0, 5.0, 0.0], [9.0, 5.0, 0.0], [0.5, 0.2, 0.0], [0.5, 0.2, 0.0]]  # the big layer's sides first
+    held = [2048, 2048, 512, 512]
+    weight = budget_weights(held)
+    budget = 24 * sum(weight)
+    picks = knapsack(costs, [[u * w for u in us] for us, w in zip(units, weight)], budget)
+    avg = sum(units[g][j] * held[g] for g, j in enumerate(picks)) / sum(held) / 8
+    assert avg <= 3.0 + 1e-9
+    unweighted = knapsack(costs, units, 24 * 4)
+    assert sum(units[g][j] * held[g] for g, j in enumerate(unweighted)) / sum(held) / 8 > 3.0
+
+
+def test_auto_on_a_sliding_model_holds_the_budget_in_the_real_cache(tiny_mixed_sliding, tmp_path):
+    """A hybrid model's sliding layers hold only the blocks their window sees: weighted by the tokens each layer
+    holds, the planned average is what the real cache holds after the calibration length (equal weights planned
+    3.0 b here and the cache held 2.875; on Gemma-3-270M 4.0 b planned, 4.080 held)."""
+    from kvsqueeze.adapter import cache_kwargs
+
+    data = CalibrationData(_ids(2, 768), {"source": "random ids (test)"})  # sliding layers hold 256 of 768
+    settings = AutoSettings(bits=3.0, window=0, sinks=0, refine=False)
+    art = calibrate(tiny_mixed_sliding, data, settings, "tiny-sliding", progress=False)
+    path = art.save(tmp_path)
+    cache = QuantizedCache(tiny_mixed_sliding.config, str(path))
+    with torch.no_grad():
+        tiny_mixed_sliding(_ids(1, 768, seed=3), **cache_kwargs(tiny_mixed_sliding, cache), use_cache=True)
+    planned = art.layers[1]["key"].settings["auto"]["bits"]  # the knapsack's average over held elements
+    assert planned <= 3.0 + 1e-9
+    assert cache.nbytes().quantized_bits_per_element == pytest.approx(planned, abs=1e-9)

@@ -12,7 +12,10 @@ What is measured, on the calibration slice only:
    layers and sides to first order.
 2. Assignment.  A multiple-choice knapsack (dynamic programming over eighth-bit costs) picks one format per
    layer and side minimising the summed cost with the average bits, every scale, zero-point and centre counted
-   (:func:`kvsqueeze.quant.bits_per_element`), at most the budget.
+   (:func:`kvsqueeze.quant.bits_per_element`), at most the budget.  The average is over the elements the cache
+   will hold quantized at the calibration length (:func:`held_tokens`): a sliding layer keeps only the blocks its
+   window still sees, so a hybrid model's global layers weigh more (Gemma-3-270M, 2048 tokens: 4 to 1), and the
+   real cache then holds the budget rather than exceeding it (equal weights gave 4.080 b for a 4.0 b budget).
 3. Refinement.  The chosen assignment is re-measured end to end: the KL divergence of the model's next-token
    distribution (all layers quantized at once, window protocol) from the full-precision model's on the same
    slice, and the same with keys only and values only quantized.  Where the measured key/value shares disagree
@@ -41,6 +44,7 @@ from .clip import attention_out, layer_scope, query_positions
 from .collect import Activations
 
 UNIT = 8  # costs in eighths of a bit
+BLOCK_TOKENS = CacheSpec.block_tokens  # the cache's storage blocks (sliding layers evict whole ones)
 ROT_WIDTHS = (1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 3.75, 4.0)
 
 
@@ -129,6 +133,33 @@ def layer_costs(la: Any, grad: torch.Tensor, side: str, quants: list[QuantSpec],
 
 
 # ------------------------------------------------------------------------------------------------ knapsack
+def held_tokens(la: Any, length: int, window: int, sinks: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """Tokens one layer's cache holds quantized after ``length`` tokens, as the cache stores them: all but the
+    full-precision window and sinks; a sliding layer (no sinks) drops whole blocks of ``block_tokens`` that no query
+    sees any more (``BlockStore.evict_before``).  Flush granularity (32 or 128 tokens) is left out: it moves a
+    layer's count by less than one token group."""
+    sliding = getattr(la, "sliding_window", None)
+    stored = max(0, length - window - (sinks if sliding is None else 0))
+    if sliding is None:
+        return stored
+    first_seen = max(0, length - sliding + 1)  # the next query sees positions >= this
+    return stored - min(first_seen // block_tokens, stored // block_tokens) * block_tokens
+
+
+def budget_weights(held: list[int], limit: int = 1024) -> list[int]:
+    """Integer knapsack weights proportional to each group's held tokens: divided by their common divisor, or
+    rounded to at most ``limit`` where that leaves them larger (the knapsack's table grows with their sum; the
+    rounding then moves a weight by at most 1 in ``limit``); equal weights when nothing is held."""
+    if not any(held):
+        return [1] * len(held)
+    g = math.gcd(*held)
+    w = [h // g for h in held]
+    if max(w) > limit:
+        top = max(held)
+        w = [max(1, round(h * limit / top)) if h else 0 for h in held]
+    return w
+
+
 def knapsack(costs: list[list[float]], units: list[list[int]], budget: int) -> list[int]:
     """Multiple-choice knapsack: one option per group minimising the summed cost with summed units <= budget
     (dynamic programming over exact totals).  ValueError if even the cheapest options exceed the budget."""
@@ -267,15 +298,18 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
             bar.update(1)
     bar.close()
     groups = [(i, s) for i in layers for s in ("key", "value")]
-    budget = math.floor(bits * UNIT + 1e-9) * len(groups)
+    # the budget holds on average over the elements the cache will hold quantized at this length
+    held = [held_tokens(acts.layers[i], ids.shape[1], window, sinks) for i, _ in groups]
+    weight = budget_weights(held)
+    budget = math.floor(bits * UNIT + 1e-9) * sum(weight)
 
     def solve(scale: dict[str, float]) -> Plan:
-        picks = knapsack([[c * scale[s] for c in table[i, s]] for i, s in groups], [units[s] for _, s in groups],
-                         budget)
+        picks = knapsack([[c * scale[s] for c in table[i, s]] for i, s in groups],
+                         [[u * w for u in units[s]] for (_, s), w in zip(groups, weight)], budget)
         chosen = {g: cands[g[1]][j] for g, j in zip(groups, picks)}
         pred = sum(table[g][j] for g, j in zip(groups, picks))
         pred_keys = sum(table[g][j] for g, j in zip(groups, picks) if g[1] == "key")
-        avg = sum(units[g[1]][j] for g, j in zip(groups, picks)) / UNIT / len(groups)
+        avg = sum(units[g[1]][j] * w for g, j, w in zip(groups, picks, weight)) / UNIT / sum(weight)
         return Plan([(chosen[i, "key"], chosen[i, "value"]) if i in layers else (QuantSpec(fmt="none"),) * 2
                      for i in range(len(acts.layers))], pred, avg, predicted_keys=pred_keys)
 
@@ -298,6 +332,7 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
 
     plan = solve({"key": 1.0, "value": 1.0})
     record: dict[str, Any] = {"measure": "0.5*sum(G^2 dO^2), G = dNLL/d(attention output), window protocol",
+                              "budget_weights": {f"{i}.{s}": w for (i, s), w in zip(groups, weight)},
                               "candidates": {s: [q.label() for q in cands[s]] for s in cands},
                               "costs": {f"{i}.{s}": table[i, s] for i, s in groups}}
     if not refine:
