@@ -104,8 +104,11 @@ def test_greedy_generation_matches_reference_tiny_llama(tiny_llama, spec):
 # The fused path (kernels/_csrc/codebook_fast.h: levels in registers, AVX2 / AVX-512 builds, head_dim 64 and 128;
 # the generic build keeps the tiled path, run here too by the cpu_isa fixture): the presets, plain keys whose
 # stored length is no multiple of 16, centred keys and values over 32 tokens, centred keys over 8-token groups (two
-# in a vector of 16 tokens' scores), mixed 4/3-bit and 3/2-bit runs (the vector holding both runs' codes).
-FUSED_SPECS = ["rot-3", "rot-3.5", "k2.875r-v2.5r-w16-s3", "k3.875rc32-v2.5rc32-w32-s2", "k2.875rc8-v3.5r-w8-s1"]
+# in a vector of 16 tokens' scores), mixed 4/3-bit and 3/2-bit runs (the vector holding both runs' codes; at
+# head_dim 64 on AVX-512 a 16-coordinate vector mixes runs when the high run is an odd multiple of 8: 2.875 bits
+# is 56 + 8 coordinates, 2.125 bits 8 + 56, so the first vector is the mixed one and no vector is all high-run).
+FUSED_SPECS = ["rot-3", "rot-3.5", "k2.875r-v2.5r-w16-s3", "k3.875rc32-v2.5rc32-w32-s2", "k2.875rc8-v3.5r-w8-s1",
+               "k2.125r-v2.875r-w16-s3"]
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -128,7 +131,7 @@ def test_fused_codebook_path_several_new_tokens_and_mask(spec, head_dim):
     assert_matches_reference(cpu.attend, layer, 3, 3, padding_mask(layer, 3, [0, 77]))
 
 
-@pytest.mark.parametrize("spec", ["rot-3", "k2.875r-v2.5r-w16-s3"])
+@pytest.mark.parametrize("spec", ["rot-3", "k2.875r-v2.5r-w16-s3", "k2.125r-v2.875r-w16-s3"])
 def test_fused_codebook_path_agrees_with_generic_build(spec):
     """Every instruction-set path gives the generic build's output to float32 rounding (same algebra, other sums);
     1000 tokens: several 256-token work items."""
