@@ -53,6 +53,14 @@ def test_candidate_costs_count_every_parameter():
         for q in candidates(side, 64):
             assert cost_units(q, 64) == pytest.approx(bits_per_element(q, 64) * 8)
     assert cost_units(QuantSpec(fmt="rot", bits=2.875, axis="channel", group=128), 64) == 26  # rot-3's keys
+    # head_dim 256: a rotated side's fp16 norm is 1/16 bit per element, so the knapsack counts in sixteenths
+    from kvsqueeze.calibrate.auto import cost_unit
+
+    for d, unit in ((64, 8), (128, 8), (256, 16)):
+        quants = candidates("key", d) + candidates("value", d)
+        assert cost_unit(quants, d) == unit
+        for q in quants:
+            assert cost_units(q, d, unit) == pytest.approx(bits_per_element(q, d) * unit, abs=1e-9)
 
 
 @pytest.fixture(scope="module")

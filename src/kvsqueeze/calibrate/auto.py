@@ -10,7 +10,8 @@ What is measured, on the calibration slice only:
    diagonal empirical-Fisher approximation (the first-order term averages out over quantization noise).  The
    NLL change is the log-perplexity change, so these costs predict perplexity directly, and they add up over
    layers and sides to first order.
-2. Assignment.  A multiple-choice knapsack (dynamic programming over eighth-bit costs) picks one format per
+2. Assignment.  A multiple-choice knapsack (dynamic programming over exact costs in eighths of a bit, or
+   sixteenths where a head_dim needs them: :func:`cost_unit`) picks one format per
    layer and side minimising the summed cost with the average bits, every scale, zero-point and centre counted
    (:func:`kvsqueeze.quant.bits_per_element`), at most the budget.  The average is over the elements the cache
    will hold quantized at the calibration length (:func:`held_tokens`): a sliding layer keeps only the blocks its
@@ -43,7 +44,7 @@ from ..spec import CacheSpec, QuantSpec
 from .clip import attention_out, layer_scope, query_positions
 from .collect import Activations
 
-UNIT = 8  # costs in eighths of a bit
+UNIT = 8  # costs in eighths of a bit, or finer where a head_dim needs it (cost_unit)
 BLOCK_TOKENS = CacheSpec.block_tokens  # the cache's storage blocks (sliding layers evict whole ones)
 ROT_WIDTHS = (1.5, 1.75, 2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 3.75, 4.0)
 
@@ -69,9 +70,20 @@ def _serves(q: QuantSpec, head_dim: int) -> bool:
     return True
 
 
-def cost_units(q: QuantSpec, head_dim: int) -> int:
-    """Bits per element in eighths (exact for every candidate with power-of-two head dims)."""
-    return round(bits_per_element(q, head_dim) * UNIT)
+def cost_unit(quants: list[QuantSpec], head_dim: int) -> int:
+    """The knapsack's unit, in fractions of a bit: eighths, or the power of two that counts every candidate's bits
+    exactly (head_dim 256: a rotated side's fp16 norm is 1/16 bit per element, which eighths rounded away, and the
+    real cache held 4.008 bits for a 4.0 budget)."""
+    unit = UNIT
+    while unit < 1024 and any(abs(bits_per_element(q, head_dim) * unit - round(bits_per_element(q, head_dim) * unit))
+                              > 1e-9 for q in quants):
+        unit *= 2
+    return unit
+
+
+def cost_units(q: QuantSpec, head_dim: int, unit: int = UNIT) -> int:
+    """Bits per element in units of 1 / ``unit`` bit (exact when ``unit`` comes from :func:`cost_unit`)."""
+    return round(bits_per_element(q, head_dim) * unit)
 
 
 # ------------------------------------------------------------------------------------------------ gradients
@@ -289,7 +301,8 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
     d = acts.head_dim
     layers = [i for i, la in enumerate(acts.layers) if la is not None]
     cands = {s: candidates(s, d) for s in ("key", "value")}
-    units = {s: [cost_units(q, d) for q in cands[s]] for s in cands}
+    unit = cost_unit(cands["key"] + cands["value"], d)
+    units = {s: [cost_units(q, d, unit) for q in cands[s]] for s in cands}
     table: dict[tuple[int, str], list[float]] = {}
     bar = tqdm(total=2 * len(layers), desc="auto: sensitivity (layer x side x format)", disable=not progress)
     for i in layers:
@@ -301,7 +314,7 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
     # the budget holds on average over the elements the cache will hold quantized at this length
     held = [held_tokens(acts.layers[i], ids.shape[1], window, sinks) for i, _ in groups]
     weight = budget_weights(held)
-    budget = math.floor(bits * UNIT + 1e-9) * sum(weight)
+    budget = math.floor(bits * unit + 1e-9) * sum(weight)
 
     def solve(scale: dict[str, float]) -> Plan:
         picks = knapsack([[c * scale[s] for c in table[i, s]] for i, s in groups],
@@ -309,7 +322,7 @@ def choose(model: Any, acts: Activations, ids: torch.Tensor, bits: float, window
         chosen = {g: cands[g[1]][j] for g, j in zip(groups, picks)}
         pred = sum(table[g][j] for g, j in zip(groups, picks))
         pred_keys = sum(table[g][j] for g, j in zip(groups, picks) if g[1] == "key")
-        avg = sum(units[g[1]][j] * w for g, j, w in zip(groups, picks, weight)) / UNIT / sum(weight)
+        avg = sum(units[g[1]][j] * w for g, j, w in zip(groups, picks, weight)) / unit / sum(weight)
         return Plan([(chosen[i, "key"], chosen[i, "value"]) if i in layers else (QuantSpec(fmt="none"),) * 2
                      for i in range(len(acts.layers))], pred, avg, predicted_keys=pred_keys)
 
