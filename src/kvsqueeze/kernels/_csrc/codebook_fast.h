@@ -13,7 +13,8 @@
 //   is split (runs are multiples of 8 coordinates, CbRow::split): a vector is all high-run or all low-run lanes, its
 //   8 codes lie in 4 bytes, placed by one broadcast and one shift, and the loops know each vector's table.  On
 //   AVX-512 a high run of an odd number of 8-coordinate units leaves one mixed vector (CbRow::mixed): the loops
-//   know which one it is, so no vector's kind is tested per token (rot-3's keys at head_dim 64: 12% faster).
+//   know which one it is, so no vector's kind is tested per token (rot-3 at head_dim 64, one layer at 8k in a warm
+//   loop: 12% faster).
 // Scores: s_t = scale_t (q' . cb[codes_t]) + q' . mean_g: VW tokens' dot products are reduced at once
 // (reduce_lanes), then scaled; the mean term is one dot product per group.  Values: acc += (p_t scale_t) cb[codes_t],
 // plus (sum_t p_t) mean_g per group for centred values.  Queries and accumulators are in natural order here; the
@@ -116,35 +117,25 @@ struct CbLevels {
 #if defined(__AVX512F__)
   __m512 thi, tlo;
   CbLevels(const CbRow<DT>& c, const CbTables& tb) : cr(c), thi(_mm512_load_ps(tb.hi)), tlo(_mm512_load_ps(tb.lo)) {}
-  __attribute__((always_inline)) inline vf operator()(const uint8_t* row, int v) const {
+  // vector v's codes, each at the bottom of its 32-bit lane (the bits above it unmasked)
+  __attribute__((always_inline)) inline __m512i codes(const uint8_t* row, int v) const {
     const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
-    const __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])),
-                                          _mm512_load_si512(cr.shift[v]));
-    __m512 out;
-    if (cr.kind[v] == CB_HI) {
-      out = _mm512_permutexvar_ps(idx, thi);
-    } else if (cr.kind[v] == CB_LO) {
-      out = _mm512_permutexvar_ps(idx, tlo);
-    } else {  // index bit 4 picks the table: (idx & 15) | lo
-      const __m512i sel = _mm512_ternarylogic_epi32(idx, _mm512_load_si512(cr.lo[v]), _mm512_set1_epi32(15), 0xEC);
-      out = _mm512_permutex2var_ps(thi, sel, tlo);
-    }
-    return reinterpret_cast<vf>(out);
+    return _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])), _mm512_load_si512(cr.shift[v]));
+  }
+  __attribute__((always_inline)) inline vf operator()(const uint8_t* row, int v) const {
+    if (cr.kind[v] == CB_HI) return pure<true, false>(row, v);
+    if (cr.kind[v] == CB_LO) return pure<false, false>(row, v);
+    return mixed(row, v);
   }
   // vector v when all its lanes are of one run (HI: the high run), known to the caller: no kind test
   template <bool HI, bool FOUR>
   __attribute__((always_inline)) inline vf pure(const uint8_t* row, int v) const {
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
-    const __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])),
-                                          _mm512_load_si512(cr.shift[v]));
-    return reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, HI ? thi : tlo));
+    return reinterpret_cast<vf>(_mm512_permutexvar_ps(codes(row, v), HI ? thi : tlo));
   }
-  // vector v when it is the mixed one (CbRow::mixed), known to the caller
+  // vector v when it is the mixed one, known to the caller: index bit 4 picks the table, (idx & 15) | lo
   __attribute__((always_inline)) inline vf mixed(const uint8_t* row, int v) const {
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + cr.off[v])));
-    const __m512i idx = _mm512_srlv_epi32(_mm512_shuffle_epi8(raw, _mm512_load_si512(cr.shuf[v])),
-                                          _mm512_load_si512(cr.shift[v]));
-    const __m512i sel = _mm512_ternarylogic_epi32(idx, _mm512_load_si512(cr.lo[v]), _mm512_set1_epi32(15), 0xEC);
+    const __m512i sel =
+        _mm512_ternarylogic_epi32(codes(row, v), _mm512_load_si512(cr.lo[v]), _mm512_set1_epi32(15), 0xEC);
     return reinterpret_cast<vf>(_mm512_permutex2var_ps(thi, sel, tlo));
   }
 #else
