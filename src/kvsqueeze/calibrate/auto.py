@@ -151,7 +151,7 @@ def held_tokens(la: Any, length: int, window: int, sinks: int, block_tokens: int
     sees any more (``BlockStore.evict_before``).  Flush granularity (32 or 128 tokens) is left out: it moves a
     layer's count by less than one token group."""
     sliding = getattr(la, "sliding_window", None)
-    stored = max(0, length - window - (sinks if sliding is None else 0))
+    stored = max(0, length - window - layer_scope(la, sinks)[0])  # (a sliding layer keeps no sinks)
     if sliding is None:
         return stored
     first_seen = max(0, length - sliding + 1)  # the next query sees positions >= this
