@@ -402,10 +402,13 @@ constexpr bool values_spill() {
   return RB * Layout<DT, BITS>::NV > (VW == 16 ? 24 : 8);
 }
 
-// fast_values for accumulators that do not fit the registers, with every unit block in one per-token group (G a
-// multiple of VW units): one pass over the item's tokens per unit block and KC of its fields, RB x KC accumulators
-// (8-bit codes, one field: NB blocks of a group per pass, so each row's weight is broadcast once per NB blocks;
-// the int8 preset's step at 8k 24% faster on Zen 3).
+// fast_values for accumulators that do not fit the registers, and for 8-bit codes on AVX-512, with every unit block in
+// one per-token group (G a multiple of VW units): one pass over the item's tokens per unit block and KC of its
+// fields, RB x KC accumulators (8-bit codes, one field: NB blocks of a group per pass, RB x NB <= 8 accumulators
+// on AVX2, 16 on AVX-512, so each row's weight is broadcast once per NB blocks; the int8 preset's step at 8k 24%
+// faster on Zen 3).  8-bit codes on AVX-512 fit fast_values' registers, but its per-code affine (a code c ->
+// a c + z, then one multiply-add per row) costs a fourth multiply-add per code at 3 rows, where w_rt folds the
+// scale: the int8 preset's layer at 32k, 1 thread, 12-13% faster on Zen 4 (the step bound by multiply-adds).
 // A token's scale is folded into its probability, w_rt = p_rt a_tg, so a code costs one multiply-add per row, and
 // its zero term is one sum per row and group: acc += sum_t w_rt code_t + sum_t p_rt c_tg (the same arithmetic as the
 // reference up to float rounding; the codes are re-read from L1 per pass, 8-32 bytes per token).
@@ -489,7 +492,7 @@ void blocked_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, con
                     float* acc, int64_t acc_stride, const float* A, const float* C, float* wt) {
   using L = Layout<DT, BITS>;
   constexpr int KC = std::min(L::per, std::max(1, 8 / RB));
-  constexpr int NB = L::per == 1 ? std::min(L::UB, std::max(1, 8 / RB)) : 1;
+  constexpr int NB = L::per == 1 ? std::min(L::UB, std::max(1, (VW == 16 ? 16 : 8) / RB)) : 1;
   const int NG = DT / sd.f.group;
   const BlockGroups<DT, BITS> bg(sd.f.group);
   const char* row0 = sd.x.row(b, h, t0);
@@ -577,7 +580,7 @@ bool try_fast_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, co
 template <int DT, int BITS, int RB, bool UNIFORM>
 void values_block(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
                   float* acc, int64_t acc_stride, const int* gsel, TokenParams tp) {
-  if constexpr (BITS != 32 && values_spill<DT, BITS, RB>()) {
+  if constexpr (BITS != 32 && (values_spill<DT, BITS, RB>() || (VW == 16 && BITS == 8))) {
     if (sd.f.group % (VW * Layout<DT, BITS>::per) == 0)
       return blocked_values<DT, BITS, RB>(sd, b, h, t0, n, p, p_stride, acc, acc_stride, tp.A, tp.C, tp.W);
   }
