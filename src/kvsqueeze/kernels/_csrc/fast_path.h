@@ -6,6 +6,7 @@ namespace {
 struct Item {
   int64_t seg, t0;
   int n;
+  int nseg = 1;  // segments seg.. seg + nseg - 1 (nseg > 1: whole short segments, t0 = 0, n their tokens)
 };
 
 // ------------------------------------------------------------------------------------------------ SIMD fast path
