@@ -171,6 +171,38 @@ def test_paged_attention_cpu_kernel_matches_the_reference(cpu_isa, name, hq, dty
     _paged_case(name, hq, dtype, kernel=True)
 
 
+@pytest.mark.parametrize("name", ["kivi-4", "int8", "kivi-2-sink4"])
+def test_many_sequences_split_over_threads_give_the_serial_result(cpu_isa, name):
+    """With at least two sequences per thread, the kernel's call takes whole sequences per thread (_csrc/paged.h):
+    the same outputs as one sequence after another, and the reference's within its integer-key bound."""
+    fmt = paged_format(name)
+    g = torch.Generator().manual_seed(5)
+    lens = [3 * N + 5, N, 2 * N, 5 * N + 31, 7, 4 * N + 1]
+    blocks, nxt = [], 0
+    for t in lens:
+        blocks.append(list(range(nxt, nxt + t // N + 1)))
+        nxt += t // N + 1
+    pool = torch.zeros(nxt, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    table = torch.zeros(len(lens), max(len(b) for b in blocks), dtype=torch.int32)
+    for s, (t, b) in enumerate(zip(lens, blocks)):
+        table[s, : len(b)] = torch.tensor(b)
+        _fill(store, pool, torch.randn(t, H, D, generator=g), torch.randn(t, H, D, generator=g), b, [t])
+    q = torch.randn(len(lens), 6, D, generator=g)
+    args = (q, store, pool, table, torch.tensor(lens), torch.arange(len(lens) + 1), D ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # 6 sequences >= 2 per thread: the split over sequences
+        split = paged_attention(*args)
+        torch.set_num_threads(1)
+        serial = paged_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, serial)
+    ref = paged_attention(*args, kernel=False)
+    assert (split - ref).abs().max() <= 4e-4
+
+
 def test_sink_tokens_stay_exact_and_out_of_their_page_ranges():
     """A sequence's first page, packed at the step's flush, keeps its 4 sink tokens exactly beside the pool and
     quantizes the rest of the page without them: an outlier sink widens no channel's range."""

@@ -79,9 +79,9 @@ at::Tensor attend_paged(const at::Tensor& query, const at::Tensor& pool, const a
   const int64_t* ln = lens.data_ptr<int64_t>();
   const int64_t* qs = qsl.data_ptr<int64_t>();
   auto out = at::zeros({query.size(0), query.size(1), D}, query.options());
-  for (int64_t s = 0; s < S; ++s) {
+  auto one = [&](int64_t s) {
     const int64_t q0 = qs[s], ql = qs[s + 1] - qs[s], length = ln[s], n_full = length / n, tail = length % n;
-    if (ql == 0) continue;
+    if (ql == 0) return;
     TORCH_CHECK(ql <= length && n_full <= table.size(1), "sequence ", s, ": more queries or pages than it holds");
     KernelPlan p;
     p.formats = formats;
@@ -114,6 +114,18 @@ at::Tensor attend_paged(const at::Tensor& query, const at::Tensor& pool, const a
     const at::Tensor q = query.narrow(0, q0, ql).permute({1, 0, 2}).unsqueeze(0).contiguous();
     const at::Tensor o = ql > max_queries ? attend_multi(q, p, q_tile, k_tile) : attend(q, p, chunk);
     out.narrow(0, q0, ql).copy_(o.select(0, 0).permute({1, 0, 2}));
+  };
+  // Several sequences per thread: each thread takes whole sequences (the kernel's own parallel loops then run
+  // inline), where one call per sequence in turn spent each call's serial set-up and merge with the other threads
+  // idle (batch 8 x 2048 kivi-4, 2 threads: 0.59 ms against 0.42 for the same tokens in one batched call, but
+  // 0.90 against 0.83 at 1 thread).  Fewer sequences: each still spreads over the threads.
+  const int threads = at::get_num_threads();
+  if (threads > 1 && S >= 2 * threads) {
+    at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t s = lo; s < hi; ++s) one(s);
+    });
+  } else {
+    for (int64_t s = 0; s < S; ++s) one(s);
   }
   return out;
 }
