@@ -121,7 +121,10 @@ at::Tensor attend_paged(const at::Tensor& query, const at::Tensor& pool, const a
   // 0.90 against 0.83 at 1 thread).  Fewer sequences: each still spreads over the threads.
   const int threads = at::get_num_threads();
   if (threads > 1 && S >= 2 * threads) {
+    // the caller's thread-local state (vLLM runs under inference mode, whose tensors other threads may not write)
+    const at::ThreadLocalState state;
     at::parallel_for(0, S, 1, [&](int64_t lo, int64_t hi) {
+      const at::ThreadLocalStateGuard guard(state);
       for (int64_t s = lo; s < hi; ++s) one(s);
     });
   } else {
