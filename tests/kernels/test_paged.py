@@ -174,7 +174,8 @@ def test_paged_attention_cpu_kernel_matches_the_reference(cpu_isa, name, hq, dty
 @pytest.mark.parametrize("name", ["kivi-4", "int8", "kivi-2-sink4"])
 def test_many_sequences_split_over_threads_give_the_serial_result(cpu_isa, name):
     """With at least two sequences per thread, the kernel's call takes whole sequences per thread (_csrc/paged.h):
-    the same outputs as one sequence after another, and the reference's within its integer-key bound."""
+    the same outputs as one sequence after another, and the reference's within its integer-key bound; decode steps
+    and multi-query chunks (20 and 40 queries: the multi-query entry, its GEMMs on a worker thread) mixed."""
     fmt = paged_format(name)
     g = torch.Generator().manual_seed(5)
     lens = [3 * N + 5, N, 2 * N, 5 * N + 31, 7, 4 * N + 1]
@@ -188,8 +189,10 @@ def test_many_sequences_split_over_threads_give_the_serial_result(cpu_isa, name)
     for s, (t, b) in enumerate(zip(lens, blocks)):
         table[s, : len(b)] = torch.tensor(b)
         _fill(store, pool, torch.randn(t, H, D, generator=g), torch.randn(t, H, D, generator=g), b, [t])
-    q = torch.randn(len(lens), 6, D, generator=g)
-    args = (q, store, pool, table, torch.tensor(lens), torch.arange(len(lens) + 1), D ** -0.5)
+    qlens = [1, 20, 1, 40, 1, 3]  # each sequence's last tokens are the step's queries
+    q = torch.randn(sum(qlens), 6, D, generator=g)
+    starts = torch.tensor([0] + qlens).cumsum(0)
+    args = (q, store, pool, table, torch.tensor(lens), starts, D ** -0.5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)  # 6 sequences >= 2 per thread: the split over sequences

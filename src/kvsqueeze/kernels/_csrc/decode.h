@@ -35,7 +35,7 @@ void segment_scores(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
   const Perm& kpm = (*cx.kperm)[sg.fmt];
   // Packed items are short streams (kivi-4: 8 KiB of key codes, 8 KiB of values, 4 KiB of parameters per 256 tokens)
   // that the hardware prefetcher barely ramps up on: from DRAM the kernel ran at a third of its speed on data in
-  // cache.  The item's rows (codes and per-token / per-group parameters) are requested up front, keys first.
+  // cache.  The segment's rows (codes and per-token / per-group parameters) are requested up front, keys first.
   if (sg.k.f.kind != FP) {
     prefetch_rows(sg.k.x, b, h, t0, n);
     const int64_t kr0 = sg.k.f.kind == INT_CHANNEL ? t0 / std::max(sg.k.f.group, 1) : t0;
