@@ -10,7 +10,8 @@ heads (3 KV heads, 9 query heads, head_dim 64), per format:
 * ``own``: the same preset's own cache (kvsqueeze's ``LayerKV``: 256-token blocks, its window in fp32) holding
   random K/V of the same shapes, read by ``cpu.attend``.
 
-The two are alternated per repetition and the medians printed, with their ratio.
+Both are timed in rounds, each in a new order (``benchkit.interleaved_medians``), and the medians printed with
+their ratio.
 
     PYTHONPATH=src python benchmarks/paged_micro.py --threads 2 --batch 8 --context 2048 --formats kivi-4 kivi-2 int8
 """
@@ -18,10 +19,10 @@ The two are alternated per repetition and the medians printed, with their ratio.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+
+from kvsqueeze.eval import benchkit
 
 PAGE = 32  # tokens per page (the plugin's vLLM block size)
 KV_HEADS, Q_HEADS, HEAD_DIM = 3, 9, 64
@@ -73,27 +74,20 @@ def main() -> None:
     args = ap.parse_args()
     from kvsqueeze.kernels import cpu
 
-    torch.set_num_threads(args.threads)
+    threads = benchkit.set_threads(args.threads)
     if cpu.load_extension() is None:
         raise SystemExit(f"paged_micro: the C++ kernel is not built here ({cpu.describe()['reason']})")
     print(f"## Paged decode: batch {args.batch} x {args.context} tokens, {KV_HEADS} KV / {Q_HEADS} query heads, "
-          f"head_dim {HEAD_DIM}, {args.threads} threads, kernel path {cpu.selected_isa()}; medians of {args.reps} "
-          f"alternated steps\n")
+          f"head_dim {HEAD_DIM}, kernel path {cpu.selected_isa()}; medians of {args.reps} interleaved steps\n")
+    print(benchkit.machine_line(threads) + "\n")
     print("| format | paged pool (32-token pages) ms | own cache (256-token blocks) ms | paged / own |")
     print("|---|---|---|---|")
     for name in args.formats:
         g = torch.Generator().manual_seed(0)
-        paged, own = paged_case(name, args.batch, args.context, g), own_case(name, args.batch, args.context, g)
-        paged(), own()
-        times: dict[str, list[float]] = {"paged": [], "own": []}
-        for rep in range(args.reps):
-            for label, fn in (("paged", paged), ("own", own)) if rep % 2 else (("own", own), ("paged", paged)):
-                t = time.perf_counter()
-                fn()
-                times[label].append(time.perf_counter() - t)
-        p, o = (statistics.median(times[k]) * 1e3 for k in ("paged", "own"))
+        fns = {"paged": paged_case(name, args.batch, args.context, g), "own": own_case(name, args.batch, args.context, g)}
+        med = benchkit.interleaved_medians(fns, args.reps)
+        p, o = med["paged"] * 1e3, med["own"] * 1e3
         print(f"| {name} | {p:.3f} | {o:.3f} | {p / o:.2f}x |")
-
 
 if __name__ == "__main__":
     main()
