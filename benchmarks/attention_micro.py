@@ -30,6 +30,7 @@ of new tokens over a packed history through the Triton prefill kernel, the block
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import NamedTuple
@@ -241,15 +242,16 @@ def bench_gpu(args) -> None:
                     own = (_sdpa_bf16(q, dk.to(dt), dv.to(dt), kvh != 32).float() - ref).norm() / ref.norm()
                     bound = max(2e-2, 1.5 * float(own))
                     del dk, dv
-                    for cfg in configs:
-                        name = f"fused {p}" + (f" {cfg}" if len(configs) > 1 else "")
+                    for cfg, c16 in itertools.product(configs, _codes16_values(args)):
+                        name = f"fused {p}" + (f" {cfg}" if len(configs) > 1 else "") + _codes16_name(args, c16)
                         ran = _with_launch(cfg, lambda la=la: triton_decode.tile_tokens(
                             *(side(f) for f in (la.plan().key_format, la.plan().value_format))))
                         if ran != min(cfg.block_t, cfg.chunk):  # (sub-byte codes take 32-token tiles on a GPU)
                             name += f" (ran bt{ran})"
 
-                        def fn(la=la, q=q, cfg=cfg):
-                            return _with_launch(cfg, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5))
+                        def fn(la=la, q=q, cfg=cfg, c16=c16):
+                            return _with_launch(cfg, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5),
+                                                c16)
 
                         try:  # a failing shape or format is a row of its own, not the end of the table
                             err = (fn().float() - ref.float()).norm() / ref.float().norm()
@@ -308,16 +310,29 @@ class LaunchShape(NamedTuple):
         return f"bt{self.block_t} p{self.programs} w{self.warps} c{self.chunk}"
 
 
-def _with_launch(cfg: LaunchShape, fn):
-    """Run ``fn`` with the decode's launch shape set to ``cfg`` (the module's own restored after)."""
+def _with_launch(cfg: LaunchShape | None, fn, codes16: bool | None = None):
+    """Run ``fn`` with the decode's launch shape set to ``cfg`` and, unless None, 2-/4-bit codes made from their
+    bits on or off (kernels/triton_common.py CODES16); the modules' own settings restored after."""
+    from kvsqueeze.kernels import triton_common as tc
     from kvsqueeze.kernels import triton_decode as td
 
-    saved = LaunchShape.current()
-    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = cfg
+    saved, saved16 = LaunchShape.current(), tc.CODES16
+    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = cfg or saved
+    tc.CODES16 = saved16 if codes16 is None else codes16
     try:
         return fn()
     finally:
         td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = saved
+        tc.CODES16 = saved16
+
+
+def _codes16_values(args) -> list[bool | None]:
+    """The CODES16 settings ``--gpu-codes16`` asks for (None: the module's own)."""
+    return {"default": [None], "on": [True], "off": [False], "both": [True, False]}[args.gpu_codes16]
+
+
+def _codes16_name(args, c16: bool | None) -> str:
+    return "" if args.gpu_codes16 == "default" else (" codes16" if c16 else " cvt")
 
 
 def _graphed(fn):
@@ -382,10 +397,11 @@ def bench_gpu_prefill(args) -> None:
         nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=dt), torch.randn(1, 8, n, 128, device=dev, dtype=dt)
         kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
         res = {"SDPA bf16": _device_ms(lambda q=q, kk=kk, vv=vv: _sdpa_bf16(q, kk, vv, True), args.reps, dev)}
-        for p in ("kivi-4", "kivi-2"):
+        for p, c16 in itertools.product(("kivi-4", "kivi-2"), _codes16_values(args)):
             la = build_layer(p, k, v, nk, nv)
-            res[f"triton prefill {p}"] = _device_ms(
-                lambda la=la, q=q: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), args.reps, dev)
+            res[f"triton prefill {p}{_codes16_name(args, c16)}"] = _device_ms(
+                lambda la=la, q=q, c16=c16: _with_launch(
+                    None, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), c16), args.reps, dev)
             if args.prefill_reference:
                 res[f"torch reference {p}"] = _device_ms(
                     lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5), dev)
@@ -417,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-presets", nargs="+", default=["kivi-4", "kivi-2", "int8"], help="GPU: presets to time")
     p.add_argument("--gpu-configs", nargs="+", type=LaunchShape.parse, default=None, metavar="BT:PROGRAMS:WARPS",
                    help="GPU: decode launch shapes to time, a row each (default: kernels/triton_decode.py's own)")
+    p.add_argument("--gpu-codes16", choices=("default", "on", "off", "both"), default="default",
+                   help="GPU: 2- and 4-bit codes made into 16-bit operands from their bits (on), or converted through "
+                        "float32 (off), or a row each (both); default: the kernels' own setting")
     p.add_argument("--gpu-dry-run", action="store_true",
                    help="run the GPU sections on the CPU under TRITON_INTERPRET=1 (checks this script's code before "
                         "a GPU call; use toy sizes, the times mean nothing)")

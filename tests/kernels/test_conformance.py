@@ -77,8 +77,8 @@ for _s in ("full", "kivi-2", "k4c32-v4t32-w32"):
     CASES[f"{_s} sliding after eviction"] = Case(_s, batch=1, q_heads=4, stored=900, steps=40, sliding=96,
                                                  mask="sliding")
     CASES[f"{_s} sliding after eviction, no mask"] = Case(_s, batch=1, q_heads=4, stored=900, steps=40, sliding=96)
-for _dt in (torch.float16, torch.bfloat16):
-    for _s in ("full", "kivi-4", "fp8-e5m2"):
+for _dt in (torch.float16, torch.bfloat16):  # (on a GPU 2- and 4-bit codes then take triton_common's codes16)
+    for _s in ("full", "kivi-4", "fp8-e5m2", "kivi-2", "int4", "k2t8-v4t4-w16"):
         CASES[f"{_s} {str(_dt)[6:]} model"] = Case(_s, batch=1, q_heads=4, steps=1, dtype=_dt)
 
 

@@ -31,6 +31,9 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_DOT = 16  # tl.dot's least dimension: query tiles, token tiles and head_dim are at least this
 FP8_KINDS = {"e4m3": 3, "e5m2": 4}
+# 2- and 4-bit codes become the dot's 16-bit operands by bit operations (codes16): no integer-to-float conversion
+# (a quarter-rate pipe on Hopper) and no float32 round trip; KVSQUEEZE_TRITON_CODES16=0 turns it off (A/B on a GPU)
+CODES16 = os.environ.get("KVSQUEEZE_TRITON_CODES16", "1") != "0"
 
 
 class Side(NamedTuple):
@@ -55,6 +58,42 @@ class Side(NamedTuple):
 
 
 FP_SIDE = Side(0, 16, 1, False)
+
+
+def codes16(dot: int) -> int:
+    """The kernels' H16 constant for a launch whose products take ``dot`` operands (dot_kind): 1 / 2 where 2- and
+    4-bit codes are made into fp16 / bf16 operands from their bits (never under the interpreter, where DOT is 0 and
+    inline PTX cannot run), 0 where they take the float32 path."""
+    return dot if CODES16 else 0
+
+
+def _planes_asm(bits: int, h16: int, affine: bool) -> str:
+    """PTX for ``tl.inline_asm_elementwise(..., pack=4)``: 4 bytes of ``bits``-bit codes (one 32-bit register,
+    byte i holding codes 8/bits i .. , the first in the lowest bits) -> one output per code position in a byte, each
+    2 registers of 16-bit values.  A byte goes to the low half of a 16-bit lane (prmt), a code is masked into the
+    mantissa of the magic number M (lop3: fp16 1024 + c, bf16 128 + c, exact for codes under 128), M is subtracted
+    exactly (fma x * 1 - M), and with ``affine`` the result is c * a + z (one fma, parameters per byte pair)."""
+    per = 8 // bits
+    ty = "f16x2" if h16 == 1 else "bf16x2"
+    magic, neg = ("0x64006400", "0xE400E400") if h16 == 1 else ("0x43004300", "0xC300C300")
+    one = "0x3C003C00" if h16 == 1 else "0x3F803F80"
+    mask = f"0x{(1 << bits) - 1:04X}{(1 << bits) - 1:04X}"
+    src = 2 * per  # the codes' register; then a (2 registers), z (2)
+    lines = ["{", ".reg .b32 m, n, o, x0, x1, t;", f"mov.b32 m, {magic};", f"mov.b32 n, {neg};",
+             f"mov.b32 o, {one};", f"prmt.b32 x0, ${src}, 0, 0x4140;", f"prmt.b32 x1, ${src}, 0, 0x4342;"]
+    for k in range(per):
+        for i in (0, 1):
+            x = f"x{i}"
+            if k:
+                lines.append(f"shr.b32 t, {x}, {k * bits};")
+                x = "t"
+            lines.append(f"lop3.b32 t, {x}, {mask}, m, 0xEA;")  # (x & mask) | m
+            out = f"${2 * k + i}"
+            if affine:
+                lines += [f"fma.rn.{ty} t, t, o, n;", f"fma.rn.{ty} {out}, t, ${src + 1 + i}, ${src + 3 + i};"]
+            else:
+                lines.append(f"fma.rn.{ty} {out}, t, o, n;")
+    return "\n".join(lines + ["}"])
 
 
 def interpreting() -> bool:
@@ -165,6 +204,77 @@ if HAS_TRITON:
                 (xo.shape[0], D))
         return codes
 
+    _P4F = tl.constexpr(_planes_asm(4, 1, False))
+    _P4B = tl.constexpr(_planes_asm(4, 2, False))
+    _P2F = tl.constexpr(_planes_asm(2, 1, False))
+    _P2B = tl.constexpr(_planes_asm(2, 2, False))
+    _A4F = tl.constexpr(_planes_asm(4, 1, True))
+    _A4B = tl.constexpr(_planes_asm(4, 2, True))
+    _A2F = tl.constexpr(_planes_asm(2, 1, True))
+    _A2B = tl.constexpr(_planes_asm(2, 2, True))
+
+    @triton.jit
+    def _planes(byte, a, z, ASM: tl.constexpr, H16: tl.constexpr, PER: tl.constexpr, AFFINE: tl.constexpr):
+        """The PER planes [BT, NB] (plane j: the code in bits j BITS.. of each byte) of ``byte`` as 16-bit values
+        (H16 1 fp16, 2 bf16) by the inline PTX ``ASM`` (_planes_asm), times a plus z ([BT, NB], per byte) with
+        AFFINE.  (The dtypes are spelled out per branch: a dtype passed as a constexpr does not lower here.)"""
+        if AFFINE:
+            args = [byte, a, z]
+            C: tl.constexpr = "r,r,r,r,r"
+        else:
+            args = [byte]
+            C: tl.constexpr = "r"
+        if PER == 2:
+            if H16 == 1:
+                out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r," + C, args, (tl.float16, tl.float16), True, 4)
+            else:
+                out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r," + C, args, (tl.bfloat16, tl.bfloat16), True, 4)
+        else:
+            if H16 == 1:
+                out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r," + C, args,
+                                                (tl.float16, tl.float16, tl.float16, tl.float16), True, 4)
+            else:
+                out = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,=r,=r,=r,=r," + C, args,
+                                                (tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), True, 4)
+        return out
+
+    @triton.jit
+    def _row16(x_ptr, xo, t_ok, a, z, BITS: tl.constexpr, D: tl.constexpr, H16: tl.constexpr,
+               AFFINE: tl.constexpr):
+        """[BT, D] codes of whole rows of 2- or 4-bit codes at ``xo`` as the dot's 16-bit operands (H16 1 fp16,
+        2 bf16), made from their bits (_planes_asm) and put in channel order by joins as _row_codes does; with
+        AFFINE each code times a plus z, given per byte [BT, D * BITS / 8] in that dtype."""
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D // PER
+        byte = tl.load(x_ptr + xo[:, None] + tl.arange(0, NB)[None, :], mask=t_ok[:, None], other=0)
+        if H16 == 1:
+            if BITS == 4:
+                if AFFINE:
+                    p = _planes(byte, a, z, _A4F, H16, PER, AFFINE)
+                else:
+                    p = _planes(byte, a, z, _P4F, H16, PER, AFFINE)
+            else:
+                if AFFINE:
+                    p = _planes(byte, a, z, _A2F, H16, PER, AFFINE)
+                else:
+                    p = _planes(byte, a, z, _P2F, H16, PER, AFFINE)
+        else:
+            if BITS == 4:
+                if AFFINE:
+                    p = _planes(byte, a, z, _A4B, H16, PER, AFFINE)
+                else:
+                    p = _planes(byte, a, z, _P4B, H16, PER, AFFINE)
+            else:
+                if AFFINE:
+                    p = _planes(byte, a, z, _A2B, H16, PER, AFFINE)
+                else:
+                    p = _planes(byte, a, z, _P2B, H16, PER, AFFINE)
+        if PER == 2:
+            codes = tl.reshape(tl.join(p[0], p[1]), (xo.shape[0], D))
+        else:  # [j, a, b] holds channel 4 j + 2 a + b (as _row_codes)
+            codes = tl.reshape(tl.join(tl.join(p[0], p[2]), tl.join(p[1], p[3])), (xo.shape[0], D))
+        return codes
+
     @triton.jit
     def _token_codes(x_ptr, xo, t_ok, ch, BITS: tl.constexpr, D: tl.constexpr):
         """float32 integer codes [BT, D] of the rows at ``xo``: whole rows of 16 bytes or more split in registers
@@ -188,24 +298,42 @@ if HAS_TRITON:
         return f.to(tl.float32)
 
     @triton.jit
+    def _group_small(p_ptr, po, t_ok, NG: tl.constexpr):
+        """[BT, NG] float32: each token's NG per-group parameters, read once."""
+        return tl.load(p_ptr + po[:, None] + tl.arange(0, NG)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _spread(p, G: tl.constexpr, D: tl.constexpr):
+        """[BT, D] from per-group values p [BT, D / G]: each repeated over its G columns in registers."""
+        return tl.reshape(tl.broadcast_to(p[:, :, None], (p.shape[0], D // G, G)), (p.shape[0], D))
+
+    @triton.jit
     def _group_params(p_ptr, po, t_ok, G: tl.constexpr, D: tl.constexpr):
         """[BT, D] float32 parameters of per-token groups of G channels (a power of two dividing D): each token's
         D / G values read once and repeated over their groups in registers."""
-        NG: tl.constexpr = D // G
-        p = tl.load(p_ptr + po[:, None] + tl.arange(0, NG)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        return tl.reshape(tl.broadcast_to(p[:, :, None], (po.shape[0], NG, G)), (po.shape[0], D))
+        return _spread(_group_small(p_ptr, po, t_ok, D // G), G, D)
+
+    @triton.jit
+    def _to16(x, H16: tl.constexpr):
+        if H16 == 1:
+            y = x.to(tl.float16)
+        else:
+            y = x.to(tl.bfloat16)
+        return y
 
     @triton.jit
     def load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch,
                   KIND: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, NHI: tl.constexpr,
-                  D: tl.constexpr, W: tl.constexpr):
+                  D: tl.constexpr, W: tl.constexpr, H16: tl.constexpr):
         """[BT, D] float32 values of the tokens whose code rows start at ``xo`` and parameter rows at ``po``
         (``tg``: their indices for centring groups).  KIND 0 full precision; 1 integer per-token groups of G
         channels; 2 integer per-channel (parameters [D] per row); 3 / 4 fp8 e4m3 / e5m2 times the row's scale
         (parameter column 0); 5 / 6 rotated codebook codes, in the rotated space (the caller rotates the query
         and un-rotates the output): levels from ``tab_ptr`` (rows D / D + 1 of the C++ kernel's table: the
         (BITS + 1)-bit levels of the first NHI coordinates, the BITS-bit levels of the rest) times the token's
-        scale (5: parameter column 0; 6: column D + tg % G of its group's row, plus the group mean, columns 0..D)."""
+        scale (5: parameter column 0; 6: column D + tg % G of its group's row, plus the group mean, columns 0..D).
+        H16 > 0 (codes16): 2- and 4-bit per-token groups of at least a byte's codes come back as the dot's fp16 /
+        bf16 operands instead, dequantized from their bits by _row16 with the parameters rounded to that dtype."""
         if KIND == 0:
             return tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         if KIND == 3 or KIND == 4:
@@ -225,36 +353,50 @@ if HAS_TRITON:
             sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
             mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             return lv * sc[:, None] + mean
-        code = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
-        if KIND == 1 and D % G == 0 and (G & (G - 1)) == 0:
-            s = _group_params(s_ptr, po, t_ok, G, D)
+        if (H16 > 0 and (BITS == 2 or BITS == 4) and D * BITS >= 128 and KIND == 1 and D % G == 0
+                and (G & (G - 1)) == 0 and G * BITS >= 8):
+            PER: tl.constexpr = 8 // BITS  # a byte's codes share a group: parameters per byte
+            s = _group_small(s_ptr, po, t_ok, D // G)
             if SYM:
                 z = s
             else:
-                z = _group_params(z_ptr, po, t_ok, G, D)
+                z = _group_small(z_ptr, po, t_ok, D // G)
+            a, c = _affine(s, z, BITS, SYM)
+            vals = _row16(x_ptr, xo, t_ok, _spread(_to16(a, H16), G // PER, D // PER),
+                          _spread(_to16(c, H16), G // PER, D // PER), BITS, D, H16, True)
         else:
-            if KIND == 1:
-                p_off = po[:, None] + (ch // G)[None, :]
+            code = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
+            if KIND == 1 and D % G == 0 and (G & (G - 1)) == 0:
+                s = _group_params(s_ptr, po, t_ok, G, D)
+                if SYM:
+                    z = s
+                else:
+                    z = _group_params(z_ptr, po, t_ok, G, D)
             else:
-                p_off = po[:, None] + ch[None, :]
-            s = tl.load(s_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            if SYM:
-                z = s
-            else:
-                z = tl.load(z_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        a, c = _affine(s, z, BITS, SYM)
-        return code * a + c
+                if KIND == 1:
+                    p_off = po[:, None] + (ch // G)[None, :]
+                else:
+                    p_off = po[:, None] + ch[None, :]
+                s = tl.load(s_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+                if SYM:
+                    z = s
+                else:
+                    z = tl.load(z_ptr + p_off, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            a, c = _affine(s, z, BITS, SYM)
+            vals = code * a + c
+        return vals
 
 
     @triton.jit
     def load_folded(x_ptr, s_ptr, z_ptr, tab_ptr, t, t_ok, first, table_ptr, b, h,
                     x_ss, x_sb, x_sh, x_sr, p_ss, p_sb, p_sh, p_sr, ch,
                     PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr, KIND: tl.constexpr,
-                    BITS: tl.constexpr, SYM: tl.constexpr, D: tl.constexpr):
+                    BITS: tl.constexpr, SYM: tl.constexpr, D: tl.constexpr, H16: tl.constexpr):
         """One side's tokens ``t`` as (raw [BT, D] float32, a, c) with value = raw * a + c, for the kernels to fold
         a and c into their products instead of dequantizing every element (see ``folds``): KIND 0 the values
         (a, c unused); 3 / 4 the fp8 values, a [BT] the token's scale; 1 (one group per token) the codes, a and c
-        [BT]; 2 (every valid token of the tile in one parameter row) the codes, a and c [D]."""
+        [BT]; 2 (every valid token of the tile in one parameter row) the codes, a and c [D].  H16 > 0: 2- and 4-bit
+        codes come back as the dot's fp16 / bf16 operands (_row16: exact, no conversion instructions)."""
         xo = token_rows(t, t_ok, first, table_ptr, b, h, x_ss, x_sb, x_sh, x_sr, PAGED, BLK, 1)
         po = token_rows(t, t_ok, first, table_ptr, b, h, p_ss, p_sb, p_sh, p_sr, PAGED, BLK, PER_ROW)
         if KIND == 0:
@@ -266,7 +408,10 @@ if HAS_TRITON:
             a = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
             c = 0.0
         else:
-            raw = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
+            if H16 > 0 and (BITS == 2 or BITS == 4) and D * BITS >= 128:
+                raw = _row16(x_ptr, xo, t_ok, 0.0, 0.0, BITS, D, H16, False)
+            else:
+                raw = _token_codes(x_ptr, xo, t_ok, ch, BITS, D)
             if KIND == 1:
                 s = tl.load(s_ptr + po, mask=t_ok, other=0.0).to(tl.float32)
                 if SYM:
@@ -288,7 +433,7 @@ if HAS_TRITON:
                     x_ss, x_sb, x_sh, x_sr, p_ss, p_sb, p_sh, p_sr, ch,
                     PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr, KIND: tl.constexpr,
                     BITS: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr, NHI: tl.constexpr, D: tl.constexpr,
-                    W: tl.constexpr):
+                    W: tl.constexpr, H16: tl.constexpr):
         """[BT, D] float32 values of one side's tokens ``t`` (of a segment, or of a pool from store index
         ``first``): their code and parameter rows found by token_rows, read by load_rows."""
         if PAGED:  # store indices: centring groups start at multiples of their size
@@ -297,7 +442,7 @@ if HAS_TRITON:
             tg = t
         xo = token_rows(t, t_ok, first, table_ptr, b, h, x_ss, x_sb, x_sh, x_sr, PAGED, BLK, 1)
         po = token_rows(t, t_ok, first, table_ptr, b, h, p_ss, p_sb, p_sh, p_sr, PAGED, BLK, PER_ROW)
-        return load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch, KIND, BITS, G, SYM, NHI, D, W)
+        return load_rows(x_ptr, s_ptr, z_ptr, tab_ptr, xo, po, tg, t_ok, ch, KIND, BITS, G, SYM, NHI, D, W, H16)
 
     @triton.jit
     def masked_scores(s, valid, b, lq, t, col0, kq, mask_ptr, m_sb, m_sq, m_sc, MASK: tl.constexpr):

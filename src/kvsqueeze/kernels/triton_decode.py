@@ -41,6 +41,7 @@ from .triton_common import (
     MIN_DOT,
     Side,
     available,
+    codes16,
     device_table,
     dot_head_dim,
     dot_kind,
@@ -168,13 +169,14 @@ if HAS_TRITON:
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
-        VNHI: tl.constexpr,
+        VNHI: tl.constexpr, H16: tl.constexpr,
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
         stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
         split can follow the context without a new compilation.  NDEV: n_tok is read from cnt_ptr[0] on the device
         (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it).  KFOLD / VFOLD:
-        the side is read by load_folded, its parameters folded into the products (triton_common.folds)."""
+        the side is read by load_folded, its parameters folded into the products (triton_common.folds).  H16:
+        triton_common.codes16 (2- and 4-bit codes made into the dot's 16-bit operands from their bits)."""
         if NDEV:
             n_tok = tl.load(cnt_ptr)
         bh = tl.program_id(0)
@@ -198,25 +200,25 @@ if HAS_TRITON:
             if KFOLD:
                 kr, ka, kc = load_folded(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
                                          kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS,
-                                         KSYM, D)
+                                         KSYM, D, H16)
                 s = _folded_scores(q, qsum, kr, ka, kc, KKIND, DOT)
             else:
                 k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
                                 kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D,
-                                W)
+                                W, H16)
                 s = _scores(q, k, DOT)  # [RP, BT]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             m, l_, acc, p, corr = _softmax_step(m, l_, acc, s)
             if VFOLD:
                 vr, va, vc = load_folded(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
                                          vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS,
-                                         VSYM, D)
+                                         VSYM, D, H16)
                 acc, row = _folded_values(acc, p, vr, va, vc, VKIND, DOT)
                 vrow = vrow * corr + row
             else:
                 v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
                                 vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D,
-                                W)
+                                W, H16)
                 acc = dot_acc(p, v, acc, DOT)
         acc += vrow[:, None]  # the row terms of every tile, rescaled as acc was
         part = (bh * n_parts + part0 + chunk) * R + rows
@@ -429,7 +431,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
             KFOLD=kf, VFOLD=vf,
-            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, num_warps=NUM_WARPS,
+            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, H16=codes16(dot), num_warps=NUM_WARPS,
         )
         part0 += nsp
     if vs.rotated and total:  # the stored tokens' weighted values back to the original space
