@@ -290,6 +290,7 @@ class LaunchShape(NamedTuple):
     programs: int
     warps: int
     chunk: int
+    stages: int = 0
 
     @classmethod
     def parse(cls, text: str) -> LaunchShape:
@@ -304,10 +305,11 @@ class LaunchShape(NamedTuple):
     def current(cls) -> LaunchShape:
         from kvsqueeze.kernels import triton_decode as td
 
-        return cls(td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK)
+        return cls(td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK, td.NUM_STAGES)
 
     def __str__(self) -> str:
-        return f"bt{self.block_t} p{self.programs} w{self.warps} c{self.chunk}"
+        return f"bt{self.block_t} p{self.programs} w{self.warps} c{self.chunk}" + (f" s{self.stages}" if self.stages
+                                                                                  else "")
 
 
 def _with_launch(cfg: LaunchShape | None, fn, codes16: bool | None = None):
@@ -317,12 +319,12 @@ def _with_launch(cfg: LaunchShape | None, fn, codes16: bool | None = None):
     from kvsqueeze.kernels import triton_decode as td
 
     saved, saved16 = LaunchShape.current(), tc.CODES16
-    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = cfg or saved
+    td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK, td.NUM_STAGES = cfg or saved
     tc.CODES16 = saved16 if codes16 is None else codes16
     try:
         return fn()
     finally:
-        td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK = saved
+        td.BLOCK_T, td.TARGET_PROGRAMS, td.NUM_WARPS, td.CHUNK, td.NUM_STAGES = saved
         tc.CODES16 = saved16
 
 

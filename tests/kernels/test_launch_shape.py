@@ -1,5 +1,5 @@
 """The Triton decode's launch shape: ``KVSQUEEZE_TRITON_DECODE`` and attention_micro's ``--gpu-configs`` take
-``BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` through one parser, which names what is allowed when refusing; the
+``BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK[:STAGES]]`` through one parser, which names what is allowed when refusing; the
 prefill's ``KVSQUEEZE_TRITON_PREFILL=BLOCK_M:BLOCK_N:NUM_WARPS`` likewise."""
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from ._helpers import script_env
 
 
 def test_a_launch_shape_is_parsed_with_the_modules_chunk_by_default():
-    assert triton_decode.parse_launch("16:4096:1") == (16, 4096, 1, triton_decode.CHUNK)
-    assert triton_decode.parse_launch("64:1024:8:512") == (64, 1024, 8, 512)
+    assert triton_decode.parse_launch("16:4096:1") == (16, 4096, 1, triton_decode.CHUNK, 0)
+    assert triton_decode.parse_launch("64:1024:8:512") == (64, 1024, 8, 512, 0)
+    assert triton_decode.parse_launch("32:4096:1:256:1") == (32, 4096, 1, 256, 1)
 
 
 @pytest.mark.parametrize("text", ["", "32", "32:1024", "x:1024:4", "24:1024:4", "8:1024:4", "32:1024:3",
-                                  "32:0:4", "32:1024:4:16", "32:1024:4:256:1"])
+                                  "32:0:4", "32:1024:4:16", "32:1024:4:256:9",
+                                  "32:1024:4:256:1:1"])
 def test_a_bad_launch_shape_is_refused_naming_the_form(text):
     with pytest.raises(ValueError, match="BLOCK_T"):
         triton_decode.parse_launch(text)

@@ -60,11 +60,15 @@ class Side(NamedTuple):
 FP_SIDE = Side(0, 16, 1, False)
 
 
-def codes16(dot: int) -> int:
-    """The kernels' H16 constant for a launch whose products take ``dot`` operands (dot_kind): 1 / 2 where 2- and
-    4-bit codes are made into fp16 / bf16 operands from their bits (never under the interpreter, where DOT is 0 and
-    inline PTX cannot run), 0 where they take the float32 path."""
-    return dot if CODES16 else 0
+def codes16(dot: int) -> dict[str, int]:
+    """The kernels' KH16 and VH16 constants for a launch whose products take ``dot`` operands (dot_kind): 1 / 2
+    where a side's 2- and 4-bit codes are made into fp16 / bf16 operands from their bits (never under the
+    interpreter, where DOT is 0 and inline PTX cannot run), 0 where they take the float32 path.  Keys take the
+    query's dtype; values always fp16 (their dot's weights are in [0, 1]): dequantized there with the group
+    parameters rounded to the operand dtype, fp16's 11 bits keep the error under the float32 path's rounding to
+    bf16, where bf16 parameters moved 2-bit values' outputs by 1.7x bf16 SDPA's own error (H200, 2026-11-27)."""
+    on = CODES16 and dot > 0
+    return {"KH16": dot if on else 0, "VH16": 1 if on else 0}
 
 
 def _planes_asm(bits: int, h16: int, affine: bool) -> str:
@@ -121,24 +125,25 @@ if HAS_TRITON:
     @triton.jit
     def dot(a, b, DOT: tl.constexpr):
         """a [M, K] @ b [K, N] in float32 on the matrix units: operands in fp16 / bf16 (DOT 1 / 2, the model's
-        dtype: the tensor cores' rate) or float32 without TF32 (DOT 0: float32 models, and the interpreter, whose
-        16-bit dot is wrong)."""
-        if DOT == 1:
-            return tl.dot(a.to(tl.float16), b.to(tl.float16))
-        elif DOT == 2:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        dtype: the tensor cores' rate; where b already is 16-bit - codes16 - in b's dtype) or float32 without
+        TF32 (DOT 0: float32 models, and the interpreter, whose 16-bit dot is wrong)."""
+        if DOT == 0:
+            out = tl.dot(a, b, input_precision="ieee")
+        elif b.dtype == tl.float16 or (DOT == 1 and b.dtype != tl.bfloat16):
+            out = tl.dot(a.to(tl.float16), b.to(tl.float16))
         else:
-            return tl.dot(a, b, input_precision="ieee")
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+        return out
 
     @triton.jit
     def dot_acc(a, b, acc, DOT: tl.constexpr):
         """acc + a @ b, the sum taken by the matrix units (no separate pass over acc); operands as ``dot``."""
-        if DOT == 1:
-            out = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
-        elif DOT == 2:
-            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-        else:
+        if DOT == 0:
             out = tl.dot(a, b, acc, input_precision="ieee")
+        elif b.dtype == tl.float16 or (DOT == 1 and b.dtype != tl.bfloat16):
+            out = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+        else:
+            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
         return out
 
     @triton.jit

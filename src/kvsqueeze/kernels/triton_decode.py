@@ -72,31 +72,39 @@ CHUNK = 256  # the fewest stored tokens a program takes
 TARGET_PROGRAMS = 1024  # programs per launch worth having (waves of a GPU's SMs): longer chunks beyond it
 BLOCK_T = 32  # tokens a program unpacks and scores per loop iteration
 NUM_WARPS = 4  # warps per program of the partials launch
+NUM_STAGES = 0  # software-pipelining depth of the partials launch's loop (0: Triton's default)
 
 
-def parse_launch(text: str) -> tuple[int, int, int, int]:
-    """(BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK) from ``BT:PROGRAMS:WARPS[:CHUNK]`` (CHUNK defaults to the
-    module's); ValueError naming what is allowed otherwise."""
+def parse_launch(text: str) -> tuple[int, int, int, int, int]:
+    """(BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK, NUM_STAGES) from ``BT:PROGRAMS:WARPS[:CHUNK[:STAGES]]`` (CHUNK
+    defaults to the module's, STAGES to 0: Triton's own); ValueError naming what is allowed otherwise."""
     try:
         bt, programs, warps, *rest = (int(x) for x in text.split(":"))
-        (chunk,) = rest or [CHUNK]
+        chunk, stages = (*rest, *(CHUNK, 0)[len(rest):]) if len(rest) <= 2 else (None, None)
+        if chunk is None:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"a decode launch shape is BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK] (e.g. 32:1024:4), got "
-                         f"{text!r}") from None
-    if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1 or chunk < bt:
+        raise ValueError(f"a decode launch shape is BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK[:STAGES]] (e.g. "
+                         f"32:1024:4), got {text!r}") from None
+    if bt < 16 or bt & (bt - 1) or warps not in (1, 2, 4, 8, 16) or programs < 1 or chunk < bt or not 0 <= stages <= 8:
         raise ValueError(f"decode launch shape {text}: BLOCK_T a power of two >= 16, NUM_WARPS 1-16 (a power of two), "
-                         "TARGET_PROGRAMS >= 1, CHUNK >= BLOCK_T")
-    return bt, programs, warps, chunk
+                         "TARGET_PROGRAMS >= 1, CHUNK >= BLOCK_T, STAGES 0-8 (0: Triton's default)")
+    return bt, programs, warps, chunk, stages
+
+
+def launch_options() -> dict:
+    """The partials launch's num_warps (and num_stages, where set)."""
+    return {"num_warps": NUM_WARPS, **({"num_stages": NUM_STAGES} if NUM_STAGES else {})}
 
 
 def _launch_from_env() -> None:
-    """``KVSQUEEZE_TRITON_DECODE=BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK]`` sets the launch shape (tuning on
-    another GPU; benchmarks/attention_micro.py --gpu-configs times candidates)."""
-    global BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK
+    """``KVSQUEEZE_TRITON_DECODE=BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK[:STAGES]]`` sets the launch shape (tuning
+    on another GPU; benchmarks/attention_micro.py --gpu-configs times candidates)."""
+    global BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK, NUM_STAGES
     text = os.environ.get("KVSQUEEZE_TRITON_DECODE", "")
     if text:
         try:
-            BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK = parse_launch(text)
+            BLOCK_T, TARGET_PROGRAMS, NUM_WARPS, CHUNK, NUM_STAGES = parse_launch(text)
         except ValueError as err:
             raise ValueError(f"KVSQUEEZE_TRITON_DECODE: {err}") from None
 
@@ -169,14 +177,14 @@ if HAS_TRITON:
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
-        VNHI: tl.constexpr, H16: tl.constexpr,
+        VNHI: tl.constexpr, KH16: tl.constexpr, VH16: tl.constexpr,
     ):
         """Partial softmax state of the query rows of one (sequence, kv head) over tokens [CH c, CH (c + 1)) of the
         stored tokens (n_tok of them, from a pool or one block); CH, a multiple of BT, is an argument so that the
         split can follow the context without a new compilation.  NDEV: n_tok is read from cnt_ptr[0] on the device
         (a static cache's step: the launch's arguments never change, so a CUDA graph can replay it).  KFOLD / VFOLD:
-        the side is read by load_folded, its parameters folded into the products (triton_common.folds).  H16:
-        triton_common.codes16 (2- and 4-bit codes made into the dot's 16-bit operands from their bits)."""
+        the side is read by load_folded, its parameters folded into the products (triton_common.folds).  KH16 /
+        VH16: triton_common.codes16 (2- and 4-bit codes made into the dots' 16-bit operands from their bits)."""
         if NDEV:
             n_tok = tl.load(cnt_ptr)
         bh = tl.program_id(0)
@@ -200,25 +208,25 @@ if HAS_TRITON:
             if KFOLD:
                 kr, ka, kc = load_folded(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
                                          kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS,
-                                         KSYM, D, H16)
+                                         KSYM, D, KH16)
                 s = _folded_scores(q, qsum, kr, ka, kc, KKIND, DOT)
             else:
                 k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh,
                                 kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D,
-                                W, H16)
+                                W, KH16)
                 s = _scores(q, k, DOT)  # [RP, BT]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t, col0, 0, mask_ptr, m_sb, m_sq, m_sc, MASK)
             m, l_, acc, p, corr = _softmax_step(m, l_, acc, s)
             if VFOLD:
                 vr, va, vc = load_folded(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
                                          vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS,
-                                         VSYM, D, H16)
+                                         VSYM, D, VH16)
                 acc, row = _folded_values(acc, p, vr, va, vc, VKIND, DOT)
                 vrow = vrow * corr + row
             else:
                 v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh,
                                 vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D,
-                                W, H16)
+                                W, VH16)
                 acc = dot_acc(p, v, acc, DOT)
         acc += vrow[:, None]  # the row terms of every tile, rescaled as acc was
         part = (bh * n_parts + part0 + chunk) * R + rows
@@ -431,7 +439,8 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
             BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
             KFOLD=kf, VFOLD=vf,
-            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, H16=codes16(dot), num_warps=NUM_WARPS,
+            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, **codes16(dot),
+            **launch_options(),
         )
         part0 += nsp
     if vs.rotated and total:  # the stored tokens' weighted values back to the original space

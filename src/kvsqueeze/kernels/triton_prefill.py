@@ -81,10 +81,10 @@ if HAS_TRITON:
         KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
         KNHI: tl.constexpr,
         VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
-        VNHI: tl.constexpr, H16: tl.constexpr,
+        VNHI: tl.constexpr, KH16: tl.constexpr, VH16: tl.constexpr,
     ):
-        """MASK: 0 none, 1 bool mask (as uint8), 2 additive float mask, 3 causal by absolute position; H16:
-        triton_common.codes16."""
+        """MASK: 0 none, 1 bool mask (as uint8), 2 additive float mask, 3 causal by absolute position; KH16 /
+        VH16: triton_common.codes16."""
         bh = tl.program_id(0)
         b = bh // HKV
         h = bh % HKV
@@ -105,7 +105,7 @@ if HAS_TRITON:
             t_ok = t_idx < n_tok
             k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t_idx, t_ok, first, table_ptr, b, h, kx_ss, kx_sb,
                             kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI,
-                            D, W, H16)
+                            D, W, KH16)
             s = dot(q, tl.trans(k), DOT)  # [BM, BN]
             s = masked_scores(s, r_ok[:, None] & t_ok[None, :], b, lq, t_idx, col0, kpos0 - qpos0, mask_ptr, msb, msr,
                               msc, MASK)
@@ -115,7 +115,7 @@ if HAS_TRITON:
             corr = tl.exp(m - safe)
             v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t_idx, t_ok, first, table_ptr, b, h, vx_ss, vx_sb,
                             vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI,
-                            D, W, H16)
+                            D, W, VH16)
             l_ = l_ * corr + tl.sum(p, axis=1)
             acc = acc * corr[:, None] + dot(p, v, DOT)
             m = m_new
@@ -157,7 +157,7 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
             *kst, *vst, *mst, 0 if pool is None else pool.first, n, start - first, start, plan.query_start, r, lq,
             HKV=hkv, D=d, BM=bm, BN=bn, MASK=mkind, DOT=dot_kind(query.dtype), PAGED=pool is not None,
             BLK=1 if pool is None else pool.block_tokens, W=table_width(d),
-            **k_side.consts("K"), KPR=kpr, **v_side.consts("V"), VPR=vpr, H16=codes16(dot_kind(query.dtype)),
+            **k_side.consts("K"), KPR=kpr, **v_side.consts("V"), VPR=vpr, **codes16(dot_kind(query.dtype)),
             num_warps=warps,
         )
 

@@ -78,7 +78,7 @@ def attend(query: torch.Tensor, mask: torch.Tensor | None, scaling: float, layer
         0, 0, layer.S, 0, nsp, float(scaling), cnt,
         CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=False, BLK=1, MASK=mkind, W=table_width(d), NDEV=True,
         DOT=dot, KFOLD=kf, VFOLD=vf,
-        **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, H16=codes16(dot), num_warps=triton_decode.NUM_WARPS,
+        **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, **codes16(dot), **triton_decode.launch_options(),
     )
     if vs.rotated:
         acc_buf = unrotate_rows(acc_buf, v_tab)
