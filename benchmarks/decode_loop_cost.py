@@ -35,9 +35,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     sys.exit("run without TRITON_INTERPRET: this reads the compiler's output")
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import triton_compile_check as tcc  # noqa: E402
+import triton_compile_check as tcc  # noqa: E402  (a sibling script: its folder is sys.path[0] when run)
 
 ISSUE_PER_S = 132 * 4 * 1.98e9  # H200: SMs x warp-instructions per clock x boost clock
 
@@ -72,7 +70,7 @@ def compile_step(layer, new: int) -> tuple[tcc.Compiler, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    from kernels._helpers import query_for
+    from kvsqueeze.eval.kernel_cases import query_for
     from kvsqueeze.kernels import triton_decode
 
     compiler, first = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True), {}
@@ -116,10 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", nargs="*", default=[], metavar="BM:BN:WARPS",
                    help="also the prefill kernel's loop at these launch shapes")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import triton
 
-    from kernels._helpers import filled_layer
+    from kvsqueeze.eval.kernel_cases import filled_layer
     from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_prefill
     from kvsqueeze.spec import preset
 

@@ -9,6 +9,12 @@ launch replaced by a compilation for ``--arch`` (PTX and cubin through the ptxas
     python benchmarks/triton_compile_check.py --quick    # one format per kernel (the test suite's run)
     python benchmarks/triton_compile_check.py --quick --resources --block-t 64 --num-warps 8
                                    # ptxas's registers and spills per kernel (most of any variant), at a launch shape
+    python benchmarks/triton_compile_check.py --launch 32:4096:1   # the decode at a whole launch shape
+
+Each kernel's line also counts variants whose PTX carries the mark of the address miscompile found on an H200
+(2026-11-27, Triton 3.6, one warp per program): a 32-bit thread index multiplied into 64 bits by 2^28 or more
+(``mul.wide.u32 %rd, %r, 1073741824``), whose high half then lands in a byte offset - 16-byte copies from odd
+addresses, "misaligned address" on the device.  Triton 3.9 compiles the same kernels without it.
 
 Exit status 1 when any compilation failed (the first error of each kernel is printed).
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -48,6 +55,7 @@ class Compiler:
         self.resources = resources
         self.results: list[tuple[str, str | None]] = []  # (kernel, None or the error)
         self.usage: dict[str, tuple[int, int]] = {}  # kernel -> most (registers, spill bytes) over its variants
+        self.marked: Counter = Counter()  # kernel -> variants with the miscompile's mark (see the module docstring)
 
     def run(self, fn: JITFunction, *args, grid, warmup, **kwargs):
         """Specialise the arguments as the JIT does at a launch (integers equal to 1 become constants, pointers and
@@ -72,6 +80,7 @@ class Compiler:
         try:
             compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=self.target, options=options)
             self.results.append((fn.__name__, None))
+            self.marked[fn.__name__] += bool(MARK.search(compiled.asm["ptx"]))
             if self.resources:
                 regs, spills = ptxas_usage(compiled.asm["ptx"], self.target.arch)
                 old = self.usage.get(fn.__name__, (0, 0))
@@ -84,9 +93,11 @@ class Compiler:
                                               f"{type(chain[-1]).__name__}: {str(chain[-1])[-1500:]}"))
 
 
+MARK = re.compile(r"mul\.wide\.u32\s+%rd\d+, %r\d+, (268435456|536870912|1073741824|2147483648);")
+
+
 def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers per thread, spill-store bytes) that the ptxas Triton ships reports for one kernel's PTX."""
-    import re
     import subprocess
     import tempfile
 
@@ -105,17 +116,16 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 
 def drive(quick: bool) -> None:
     """Call the kernels' Python entry points over a sweep of formats (every launch compiles instead)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from kernels._helpers import filled_layer, query_for
     from kvsqueeze.cache.factory import make_codec
     from kvsqueeze.cache.static import StaticLayerKV
+    from kvsqueeze.eval.kernel_cases import filled_layer, padding_mask, query_for
     from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_static
     from kvsqueeze.spec import preset
 
     for mod in (triton_common, triton_decode, triton_pack):  # "a GPU is here": the kernels' routes, not the reference
         mod.available = lambda: True
     specs = ["kivi-4"] if quick else ["kivi-4", "kivi-2", "int8", "fp8-e4m3", "rot-3", "k4t64-v4t32-w32",
-                                      "kivi-2-sink4"]
+                                      "kivi-2-sink4", "int4", "int2"]
     dtypes = [torch.bfloat16] if quick else [torch.float32, torch.bfloat16]
     for spec in specs:
         sp = dataclasses.replace(preset(spec), block_tokens=128)
@@ -125,6 +135,13 @@ def drive(quick: bool) -> None:
                     layer = filled_layer(sp, batch=2, kv_heads=2, head_dim=64, stored=300, pooled=pooled,
                                          dtype=dtype, new=new)
                     triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
+                    if new == 1 and pooled:  # the device's failing case (tests/kernels/test_conformance.py "int4
+                        # broadcast mask batch"): 64-token blocks, one mask row for a batch of 3, read in place
+                        sp64 = dataclasses.replace(sp, block_tokens=max(64, sp.flush_tokens))
+                        small = filled_layer(sp64, batch=3, kv_heads=1, head_dim=64, stored=300, pooled=True,
+                                             dtype=dtype)
+                        triton_decode.attend(query_for(small, 2, 1), small.plan(), padding_mask(small, 1, [17]),
+                                             0.125)
             for side in (sp.key, sp.value):
                 triton_pack.encode(make_codec(side, 64, dtype).fmt, torch.randn(2, 2, 128, 64).to(dtype))
     for spec in ["k4c16-v4t16-w16-s4"] if quick else ["k4c16-v4t16-w16", "k2c16-v2t32-w32-s4", "fp8-e4m3",
@@ -148,9 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resources", action="store_true", help="also print ptxas's registers and spills per kernel")
     p.add_argument("--block-t", type=int, default=None, help="the decode's BLOCK_T (default: the module's)")
     p.add_argument("--num-warps", type=int, default=None, help="the decode's NUM_WARPS (default: the module's)")
+    p.add_argument("--launch", default=None, metavar="BT:PROGRAMS:WARPS[:CHUNK[:STAGES]]",
+                   help="the decode's whole launch shape (as KVSQUEEZE_TRITON_DECODE)")
     args = p.parse_args(argv)
     from kvsqueeze.kernels import triton_decode
 
+    if args.launch:
+        (triton_decode.BLOCK_T, triton_decode.TARGET_PROGRAMS, triton_decode.NUM_WARPS, triton_decode.CHUNK,
+         triton_decode.NUM_STAGES) = triton_decode.parse_launch(args.launch)
     triton_decode.BLOCK_T = args.block_t or triton_decode.BLOCK_T
     triton_decode.NUM_WARPS = args.num_warps or triton_decode.NUM_WARPS
     compiler = Compiler(GPUTarget("cuda", args.arch, 32), args.resources)
@@ -165,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in sorted({n for n, _ in counts}):
         usage = compiler.usage.get(name)
         extra = f" (at most {usage[0]} registers, {usage[1]} bytes of spill stores)" if usage else ""
-        print(f"  {name}: {counts[(name, True)]} compiled, {counts[(name, False)]} failed{extra}")
+        print(f"  {name}: {counts[(name, True)]} compiled, {counts[(name, False)]} failed{extra}, "
+              f"{compiler.marked[name]} with the miscompile's mark")
     first = {}
     for name, err in compiler.results:
         if err is not None:

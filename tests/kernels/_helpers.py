@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from kvsqueeze.cache.layer import LayerKV
+from kvsqueeze.eval.kernel_cases import filled_layer, padding_mask, query_for  # noqa: F401 (re-exported)
 from kvsqueeze.kernels import reference
-from kvsqueeze.spec import CacheSpec, preset
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,39 +29,6 @@ def script_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def filled_layer(spec: CacheSpec | str, batch: int = 1, kv_heads: int = 2, head_dim: int = 64, stored: int = 300,
-                 new: int = 1, steps: int = 1, dtype: torch.dtype = torch.float32, sliding: int | None = None,
-                 seed: int = 0, device: str = "cpu", fast_encode=None, pooled: bool | None = None) -> LayerKV:
-    """A layer holding ``stored`` committed tokens (a prompt then ``steps - 1`` smaller appends) and ``new``
-    pending tokens; ``fast_encode`` is handed to its block store as the adapter does, ``pooled`` too (None: the
-    store keeps a pool on devices other than the CPU)."""
-    g = torch.Generator().manual_seed(seed)
-    layer = LayerKV(preset(spec), sliding_window=sliding)
-    layer.fast_encode = fast_encode
-    layer.pooled = pooled
-
-    def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.randn(batch, kv_heads, n, head_dim, generator=g) * 2 + 0.5
-        v = torch.randn(batch, kv_heads, n, head_dim, generator=g)
-        return k.to(device, dtype), v.to(device, dtype)
-
-    first = stored - (steps - 1)
-    if first > 0:
-        layer.stage(*kv(first))
-        layer.commit()
-    for _ in range(steps - 1):
-        layer.stage(*kv(1))
-        layer.commit()
-    layer.stage(*kv(new))
-    return layer
-
-
-def query_for(layer: LayerKV, q_heads: int, new: int, seed: int = 1) -> torch.Tensor:
-    b, _, d = layer.shape
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, q_heads, new, d, generator=g).to(layer.store.device, layer.dtype)
-
-
 def assert_half_precision_matches(attend: Callable, spec: str, dtype: torch.dtype, new: int) -> None:
     """A model in fp16/bf16: ``attend`` returns its dtype and stays within 2e-2 of the reference."""
     layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=new, dtype=dtype)
@@ -70,16 +37,6 @@ def assert_half_precision_matches(attend: Callable, spec: str, dtype: torch.dtyp
     got = attend(q, layer.plan(), None, 0.125)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
-
-
-def padding_mask(layer: LayerKV, new: int, pads: list[int]) -> torch.Tensor:
-    """Bool mask [B, 1, new, kv_len]: sequence i ignores its first pads[i] columns; new tokens causal."""
-    kv_len, _ = layer.n_total - layer.first_visible + new, layer.first_visible
-    cols = torch.arange(kv_len)
-    rows = torch.arange(new) + (kv_len - new)
-    causal = cols[None, :] <= rows[:, None]
-    m = torch.stack([causal & (cols[None, :] >= p) for p in pads])
-    return m[:, None].to(layer.store.device)
 
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
