@@ -70,7 +70,7 @@ def compile_step(layer, new: int) -> tuple[tcc.Compiler, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import JITFunction
 
-    from kvsqueeze.eval.kernel_cases import query_for
+    from kvsqueeze.cache.synthetic import query_for
     from kvsqueeze.kernels import triton_decode
 
     compiler, first = tcc.Compiler(GPUTarget("cuda", 90, 32), resources=True), {}
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import triton
 
-    from kvsqueeze.eval.kernel_cases import filled_layer
+    from kvsqueeze.cache.synthetic import filled_layer
     from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_prefill
     from kvsqueeze.spec import preset
 

@@ -118,7 +118,7 @@ def drive(quick: bool) -> None:
     """Call the kernels' Python entry points over a sweep of formats (every launch compiles instead)."""
     from kvsqueeze.cache.factory import make_codec
     from kvsqueeze.cache.static import StaticLayerKV
-    from kvsqueeze.eval.kernel_cases import filled_layer, padding_mask, query_for
+    from kvsqueeze.cache.synthetic import filled_layer, padding_mask, query_for
     from kvsqueeze.kernels import triton_common, triton_decode, triton_pack, triton_static
     from kvsqueeze.spec import preset
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvsqueeze.cache.layer import LayerKV
-from kvsqueeze.eval.kernel_cases import filled_layer, padding_mask, query_for  # noqa: F401 (re-exported)
+from kvsqueeze.cache.synthetic import filled_layer, padding_mask, query_for  # noqa: F401 (re-exported)
 from kvsqueeze.kernels import reference
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Synthetic layers for checking and timing the attention kernels: a layer holding random committed tokens and a
+"""Synthetic layers for checking and timing the attention kernels (no model): a layer holding random committed tokens and a
 step's pending ones, the step's query, and a padding mask.  The kernel tests use them (re-exported by
 tests/kernels/_helpers.py) and so do the offline GPU tools (benchmarks/triton_compile_check.py,
 benchmarks/decode_loop_cost.py), which never import from tests/."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layer import LayerKV
 from ..spec import CacheSpec, preset
+from .layer import LayerKV
 
 
 def filled_layer(spec: CacheSpec | str, batch: int = 1, kv_heads: int = 2, head_dim: int = 64, stored: int = 300,
