@@ -35,8 +35,8 @@ def test_fused_decode_on_gpu(spec):
 def test_codes16_is_as_accurate_as_converting_at_a_long_bf16_context(spec, monkeypatch):
     """2- and 4-bit codes made into 16-bit operands from their bits (triton_common.codes16) against the float32
     conversion path, both measured from float32 attention over the same decoded K/V at 16k tokens: with bf16 group
-    parameters kivi-2 was 1.7x bf16 SDPA's own error at 32k on an H200 (2026-11-27); fp16 values must not be worse
-    than converting."""
+    parameters kivi-2 was 1.7x bf16 SDPA's own error at 32k on an H200 (2026-11-27), so bf16 models dequantize
+    through float32 and take codes16 for raw codes only, which must be no worse than converting."""
     from kvsqueeze.kernels import triton_common, triton_decode
 
     layer = filled_layer(spec, batch=2, kv_heads=8, head_dim=128, stored=16384, new=1, dtype=torch.bfloat16,

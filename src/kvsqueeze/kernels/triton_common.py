@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - exercised where Triton is missing
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MIN_DOT = 16  # tl.dot's least dimension: query tiles, token tiles and head_dim are at least this
 FP8_KINDS = {"e4m3": 3, "e5m2": 4}
-# 2- and 4-bit codes become the dot's 16-bit operands by bit operations (codes16): no integer-to-float conversion
+# 2- and 4-bit codes become the dots' 16-bit operands by bit operations (codes16): no integer-to-float conversion
 # (a quarter-rate pipe on Hopper) and no float32 round trip; KVSQUEEZE_TRITON_CODES16=0 turns it off (A/B on a GPU)
 CODES16 = os.environ.get("KVSQUEEZE_TRITON_CODES16", "1") != "0"
 
@@ -62,13 +62,14 @@ FP_SIDE = Side(0, 16, 1, False)
 
 def codes16(dot: int) -> dict[str, int]:
     """The kernels' KH16 and VH16 constants for a launch whose products take ``dot`` operands (dot_kind): 1 / 2
-    where a side's 2- and 4-bit codes are made into fp16 / bf16 operands from their bits (never under the
-    interpreter, where DOT is 0 and inline PTX cannot run), 0 where they take the float32 path.  Keys take the
-    query's dtype; values always fp16 (their dot's weights are in [0, 1]): dequantized there with the group
-    parameters rounded to the operand dtype, fp16's 11 bits keep the error under the float32 path's rounding to
-    bf16, where bf16 parameters moved 2-bit values' outputs by 1.7x bf16 SDPA's own error (H200, 2026-11-27)."""
+    where a side's 2- and 4-bit codes are made into the query's fp16 / bf16 from their bits (never under the
+    interpreter, where DOT is 0 and inline PTX cannot run), 0 where they take the float32 path.  Raw codes are
+    exact in either; codes dequantized in the operand dtype (load_rows: a * c + z in one fma) only for fp16, whose
+    11 bits keep the parameters' rounding below the float32 path's: bf16 parameters moved kivi-2's 32k outputs by
+    1.7x bf16 SDPA's own error on an H200 (2026-11-27), and fp16 operands in a bf16 model overflow past 65504
+    (tests/robustness/test_nonfinite.py puts 1e30 in a value), so bf16 models dequantize through float32."""
     on = CODES16 and dot > 0
-    return {"KH16": dot if on else 0, "VH16": 1 if on else 0}
+    return {"KH16": dot if on else 0, "VH16": dot if on else 0}
 
 
 def _planes_asm(bits: int, h16: int, affine: bool) -> str:
@@ -125,25 +126,24 @@ if HAS_TRITON:
     @triton.jit
     def dot(a, b, DOT: tl.constexpr):
         """a [M, K] @ b [K, N] in float32 on the matrix units: operands in fp16 / bf16 (DOT 1 / 2, the model's
-        dtype: the tensor cores' rate; where b already is 16-bit - codes16 - in b's dtype) or float32 without
-        TF32 (DOT 0: float32 models, and the interpreter, whose 16-bit dot is wrong)."""
-        if DOT == 0:
-            out = tl.dot(a, b, input_precision="ieee")
-        elif b.dtype == tl.float16 or (DOT == 1 and b.dtype != tl.bfloat16):
-            out = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        dtype: the tensor cores' rate) or float32 without TF32 (DOT 0: float32 models, and the interpreter, whose
+        16-bit dot is wrong)."""
+        if DOT == 1:
+            return tl.dot(a.to(tl.float16), b.to(tl.float16))
+        elif DOT == 2:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
         else:
-            out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
-        return out
+            return tl.dot(a, b, input_precision="ieee")
 
     @triton.jit
     def dot_acc(a, b, acc, DOT: tl.constexpr):
         """acc + a @ b, the sum taken by the matrix units (no separate pass over acc); operands as ``dot``."""
-        if DOT == 0:
-            out = tl.dot(a, b, acc, input_precision="ieee")
-        elif b.dtype == tl.float16 or (DOT == 1 and b.dtype != tl.bfloat16):
+        if DOT == 1:
             out = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
-        else:
+        elif DOT == 2:
             out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+        else:
+            out = tl.dot(a, b, acc, input_precision="ieee")
         return out
 
     @triton.jit
@@ -337,8 +337,8 @@ if HAS_TRITON:
         and un-rotates the output): levels from ``tab_ptr`` (rows D / D + 1 of the C++ kernel's table: the
         (BITS + 1)-bit levels of the first NHI coordinates, the BITS-bit levels of the rest) times the token's
         scale (5: parameter column 0; 6: column D + tg % G of its group's row, plus the group mean, columns 0..D).
-        H16 > 0 (codes16): 2- and 4-bit per-token groups of at least a byte's codes come back as the dot's fp16 /
-        bf16 operands instead, dequantized from their bits by _row16 with the parameters rounded to that dtype."""
+        H16 == 1 (codes16, fp16 operands): 2- and 4-bit per-token groups of at least a byte's codes come back as
+        fp16 instead, dequantized from their bits by _row16 with the parameters rounded to fp16."""
         if KIND == 0:
             return tl.load(x_ptr + xo[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         if KIND == 3 or KIND == 4:
@@ -358,7 +358,7 @@ if HAS_TRITON:
             sc = tl.load(s_ptr + po + D + tg % G, mask=t_ok, other=0.0).to(tl.float32)
             mean = tl.load(s_ptr + po[:, None] + ch[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
             return lv * sc[:, None] + mean
-        if (H16 > 0 and (BITS == 2 or BITS == 4) and D * BITS >= 128 and KIND == 1 and D % G == 0
+        if (H16 == 1 and (BITS == 2 or BITS == 4) and D * BITS >= 128 and KIND == 1 and D % G == 0
                 and (G & (G - 1)) == 0 and G * BITS >= 8):
             PER: tl.constexpr = 8 // BITS  # a byte's codes share a group: parameters per byte
             s = _group_small(s_ptr, po, t_ok, D // G)
