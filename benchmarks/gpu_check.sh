@@ -52,7 +52,7 @@ echo "== kvsqueeze env"
 timeout 60 python3 -m kvsqueeze env 2>&1 | tee "$OUT/env.txt"
 fi
 
-FAULT_CASES=("triton-pool-int4 broadcast mask batch" "triton-blocks-int4 broadcast mask batch"
+FAULT_CASES=("triton-pool-int4 broadcast mask batch" "triton-pool-int2 gqa padding"
              "triton-pool-int4 gqa padding" "triton-pool-kivi-4 gqa padding")
 if part fault; then
 # the cases run in the background, beside the tests below (their results are printed after them); the first under
