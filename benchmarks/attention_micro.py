@@ -18,8 +18,9 @@ bf16, with bytes read, GB/s and their share of the device copy bandwidth.
 before a GPU call (tests/kernels/test_gpu_benchmark_dry_run.py); ``--gpu-graphs`` adds each method replayed from a
 CUDA graph (kernel time, no Python); ``--gpu-configs
 32:1024:4 64:4096:8:512`` times the decode once per launch shape (BLOCK_T tokens per loop iteration :
-TARGET_PROGRAMS : NUM_WARPS [: CHUNK, the fewest tokens a program takes] of kernels/triton_decode.py), a row
-each; the default is the module's own.
+TARGET_PROGRAMS : NUM_WARPS [: CHUNK, the fewest tokens a program takes [: STAGES, Triton's num_stages]] of
+kernels/triton_decode.py), a row each; the default is the module's own.  ``--gpu-codes16 both`` times each fused
+method with 2- and 4-bit codes made from their bits (triton_common.codes16) and converted, a row each.
 Then a GPU prefill section (``--prefill-tokens``, 0 skips; ``--prefill-contexts``, default the decode's): a chunk
 of new tokens over a packed history through the Triton prefill kernel, the block-by-block torch reference
 (``--no-prefill-reference`` leaves it out) and bf16 SDPA over the history unpacked (no mask: a lower bound).
@@ -433,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-kv-heads", type=int, nargs="+", default=[8, 32], help="GPU: KV heads (32 query heads)")
     p.add_argument("--gpu-batch", type=int, nargs="+", default=[1, 16], help="GPU: sequences per step")
     p.add_argument("--gpu-presets", nargs="+", default=["kivi-4", "kivi-2", "int8"], help="GPU: presets to time")
-    p.add_argument("--gpu-configs", nargs="+", type=LaunchShape.parse, default=None, metavar="BT:PROGRAMS:WARPS",
+    p.add_argument("--gpu-configs", nargs="+", type=LaunchShape.parse, default=None,
+                   metavar="BT:PROGRAMS:WARPS[:CHUNK[:STAGES]]",
                    help="GPU: decode launch shapes to time, a row each (default: kernels/triton_decode.py's own)")
     p.add_argument("--gpu-codes16", choices=("default", "on", "off", "both"), default="default",
                    help="GPU: 2- and 4-bit codes made into 16-bit operands from their bits (on), or converted through "
