@@ -29,7 +29,8 @@ def test_env_json_keys(capsys, monkeypatch, tmp_path):
     assert {"built", "isa", "path", "runnable", "reason", "build_dir", "compiler", "ninja"} <= set(k)
     assert k["built"] is False and k["isa"] == cpu.selected_isa() and not built
     assert {"available", "torch_cuda", "gpu"} <= set(info["cuda"])
-    assert {"installed", "version", "usable", "interpreter"} <= set(info["triton"])
+    assert {"installed", "version", "usable", "interpreter", "decode_launch", "codes16",
+            "warning"} <= set(info["triton"])
     assert set(info["attention_path"]) == {"cpu", "cuda", "full_precision_caches"}
     assert info["corpus"]["name"] == "python-docs"  # offline, no WikiText-2 anywhere
     assert info["model_cache"]["root"] == str(tmp_path / "cache" / "models")
@@ -42,3 +43,20 @@ def test_env_names_a_built_kernel_path(capsys, monkeypatch):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "CPU tensors -> cpu-kernel avx2" in out
+
+
+def test_env_names_the_decode_launch_and_warns_of_triton_36_at_one_warp(capsys, monkeypatch):
+    """The Triton decode's launch shape and codes16 switch are printed; a one-warp shape with Triton 3.6 (whose
+    miscompile gave misaligned addresses on an H200, docs/gpu.md) is warned about, two warps are not."""
+    from kvsqueeze.kernels import triton_decode
+
+    real = env._version
+    monkeypatch.setattr(env, "_version", lambda dist: "3.6.0" if dist == "triton" else real(dist))
+    monkeypatch.setattr(triton_decode, "NUM_WARPS", 1)
+    monkeypatch.setattr(triton_decode, "TARGET_PROGRAMS", 4096)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "decode launch 32:4096:1:256 (KVSQUEEZE_TRITON_DECODE)" in out and "Triton 3.6 miscompile" in out
+    monkeypatch.setattr(triton_decode, "NUM_WARPS", 2)
+    assert main(["env"]) == 0
+    assert "miscompile" not in capsys.readouterr().out

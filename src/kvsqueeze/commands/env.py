@@ -77,10 +77,20 @@ def _cuda() -> dict[str, Any]:
 
 
 def _triton() -> dict[str, Any]:
-    from kvsqueeze.kernels import triton_decode
+    from kvsqueeze.kernels import triton_common
+    from kvsqueeze.kernels import triton_decode as td
 
-    return {"installed": _version("triton") is not None, "version": _version("triton"),
-            "usable": triton_decode.available(), "interpreter": triton_decode.interpreting()}
+    version = _version("triton")
+    launch = f"{td.BLOCK_T}:{td.TARGET_PROGRAMS}:{td.NUM_WARPS}:{td.CHUNK}" + (f":{td.NUM_STAGES}" if td.NUM_STAGES
+                                                                             else "")
+    warning = None
+    if version and version.startswith("3.6.") and td.NUM_WARPS == 1 and td.NUM_STAGES != 1:
+        # docs/gpu.md: Triton 3.6 puts part of the thread index into a code row's byte offset at one warp per program
+        warning = (f"decode launch {launch} (one warp, software-pipelined) meets a Triton 3.6 miscompile (misaligned "
+                   "addresses for 32-byte code rows; docs/gpu.md): use two warps or STAGES 1, e.g. 32:4096:2")
+    return {"installed": version is not None, "version": version, "usable": td.available(),
+            "interpreter": td.interpreting(), "decode_launch": launch, "codes16": triton_common.CODES16,
+            "warning": warning}
 
 
 def _paths(cpu_kernel: dict[str, Any], cuda: dict[str, Any], triton: dict[str, Any]) -> dict[str, str | None]:
@@ -167,7 +177,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"CUDA: {'available' if cu['available'] else 'not available'} ({build}); GPU: {gpu}")
     print(f"Triton: {tr['version'] or 'not installed'}"
           + ("" if not tr["installed"] else f", {'usable' if tr['usable'] else 'not usable here'}"
-             f"{' (interpreter, TRITON_INTERPRET=1)' if tr['interpreter'] else ''}"))
+             f"{' (interpreter, TRITON_INTERPRET=1)' if tr['interpreter'] else ''}; decode launch "
+             f"{tr['decode_launch']} (KVSQUEEZE_TRITON_DECODE), 2-/4-bit codes from their bits: "
+             f"{'on' if tr['codes16'] else 'off'} (KVSQUEEZE_TRITON_CODES16)"))
+    if tr["warning"]:
+        print(f"  warning: {tr['warning']}")
     p = info["attention_path"]
     print(f"attention path of a quantized cache: CPU tensors -> {p['cpu']}; CUDA tensors -> {p['cuda'] or 'n/a'}; "
           f"full-precision caches -> {p['full_precision_caches']}")
