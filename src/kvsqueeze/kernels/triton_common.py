@@ -252,28 +252,15 @@ if HAS_TRITON:
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D // PER
         byte = tl.load(x_ptr + xo[:, None] + tl.arange(0, NB)[None, :], mask=t_ok[:, None], other=0)
-        if H16 == 1:
-            if BITS == 4:
-                if AFFINE:
-                    p = _planes(byte, a, z, _A4F, H16, PER, AFFINE)
-                else:
-                    p = _planes(byte, a, z, _P4F, H16, PER, AFFINE)
-            else:
-                if AFFINE:
-                    p = _planes(byte, a, z, _A2F, H16, PER, AFFINE)
-                else:
-                    p = _planes(byte, a, z, _P2F, H16, PER, AFFINE)
+        if BITS == 4 and H16 == 1:
+            ASM: tl.constexpr = _A4F if AFFINE else _P4F
+        elif BITS == 4:
+            ASM: tl.constexpr = _A4B if AFFINE else _P4B
+        elif H16 == 1:
+            ASM: tl.constexpr = _A2F if AFFINE else _P2F
         else:
-            if BITS == 4:
-                if AFFINE:
-                    p = _planes(byte, a, z, _A4B, H16, PER, AFFINE)
-                else:
-                    p = _planes(byte, a, z, _P4B, H16, PER, AFFINE)
-            else:
-                if AFFINE:
-                    p = _planes(byte, a, z, _A2B, H16, PER, AFFINE)
-                else:
-                    p = _planes(byte, a, z, _P2B, H16, PER, AFFINE)
+            ASM: tl.constexpr = _A2B if AFFINE else _P2B
+        p = _planes(byte, a, z, ASM, H16, PER, AFFINE)
         if PER == 2:
             codes = tl.reshape(tl.join(p[0], p[1]), (xo.shape[0], D))
         else:  # [j, a, b] holds channel 4 j + 2 a + b (as _row_codes)

@@ -80,9 +80,9 @@ def parse_launch(text: str) -> tuple[int, int, int, int, int]:
     defaults to the module's, STAGES to 0: Triton's own); ValueError naming what is allowed otherwise."""
     try:
         bt, programs, warps, *rest = (int(x) for x in text.split(":"))
-        chunk, stages = (*rest, *(CHUNK, 0)[len(rest):]) if len(rest) <= 2 else (None, None)
-        if chunk is None:
+        if len(rest) > 2:
             raise ValueError
+        chunk, stages = (*rest, *(CHUNK, 0)[len(rest):])  # the fields left out take their defaults
     except ValueError:
         raise ValueError(f"a decode launch shape is BLOCK_T:TARGET_PROGRAMS:NUM_WARPS[:CHUNK[:STAGES]] (e.g. "
                          f"32:1024:4), got {text!r}") from None
