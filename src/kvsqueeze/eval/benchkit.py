@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from .meta import cpu_load, machine_info, now, write_json_atomic
 
 T = TypeVar("T")
-ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile")
+ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx512_bf16", "amx_tile")
 
 
 def add_common_args(parser: argparse.ArgumentParser, threads: int | None = 1, model: bool = True) -> None:

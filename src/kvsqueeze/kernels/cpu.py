@@ -9,7 +9,7 @@ float32 tile, score and accumulate it with two BLAS GEMMs and an exact online so
 hides (the module comment above it in the C++ source says why this design).  Formats the kernel cannot read
 (calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
-Each instruction-set path (:data:`ISAS`: ``avx512-vnni``, ``avx2``, ``generic``) is its own build with explicit
+Each instruction-set path (:data:`ISAS`: ``avx512-vbmi``, ``avx512-vnni``, ``avx2``, ``generic``) is its own build with explicit
 target flags, cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``) and
 keyed by a hash of the sources, the flags and torch's version; ``auto`` takes the best this CPU runs and
 ``KVSQUEEZE_CPU_ISA`` (or :func:`use_isa`) forces one.  If the compiler or ninja is missing, or
@@ -65,19 +65,23 @@ def _cpu_flags() -> str:
 
 # Instruction-set paths, best first.  Each is its own build with explicit target flags (never -march=native), so a
 # build made on one machine runs on any machine with that path's features, and every path can be forced and tested
-# on a machine that has it.  avx512-vnni: key scores by vpdpbusd/vpdpwssd, 16-lane float vectors; avx2: by
+# on a machine that has it.  avx512-vnni: key scores by vpdpbusd/vpdpwssd, 16-lane float vectors; avx512-vbmi: the
+# same plus VBMI's vpmultishiftqb, which places a rotated codebook's codes in one instruction per vector (Ice Lake,
+# Zen 4 and later; Cascade Lake has VNNI without it); avx2: by
 # vpmaddwd over codes widened to int16, 8 lanes; generic: the compiler's baseline for the architecture (float path
 # only).
-ISAS = ("avx512-vnni", "avx2", "generic")
+ISAS = ("avx512-vbmi", "avx512-vnni", "avx2", "generic")
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # GCC's generic tuning splits unaligned 256-bit loads and stores into 128-bit halves, which cost the AVX2 build a
 # store-forwarding stall per row (4x slower fp32 decode than unsplit): the -mno-avx256-split flags keep them whole.
 _NO_SPLIT = ["-mno-avx256-split-unaligned-load", "-mno-avx256-split-unaligned-store"]
-_ISA_CFLAGS = {"avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni", *_NO_SPLIT], "avx2": ["-march=x86-64-v3", *_NO_SPLIT],
+_ISA_CFLAGS = {"avx512-vbmi": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", *_NO_SPLIT],
+               "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni", *_NO_SPLIT], "avx2": ["-march=x86-64-v3", *_NO_SPLIT],
                "generic": []}
 _ISA_NEEDS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx2", "fma",
                               "f16c", "bmi2", "movbe"},
               "avx2": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, "generic": set()}
+_ISA_NEEDS["avx512-vbmi"] = _ISA_NEEDS["avx512-vnni"] | {"avx512vbmi"}
 # -fopenmp, not only -fopenmp-simd: at::parallel_for is a header template whose "omp parallel" is compiled into
 # this extension; without it every work item ran on one thread whatever torch's thread count (the same libgomp
 # torch loads serves it, by soname).
@@ -257,7 +261,7 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
         return False
     if fmt.head_dim not in COMPILED_HEAD_DIMS:  # other head_dims take the kernel's generic float path
         return False
-    vw, ib = (16, 64) if isa == "avx512-vnni" else (8, 32)
+    vw, ib = (16, 64) if isa.startswith("avx512") else (8, 32)
     cb = ib // 2 if fmt.bits == 8 else ib
     rby = fmt.head_dim * fmt.bits // 8
     if not (cb % rby == 0 or rby % cb == 0) or (cb > rby and cb // rby > min(vw, 8)):
