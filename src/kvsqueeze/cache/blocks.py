@@ -249,17 +249,19 @@ class BlockStore:
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
 
     def checkpoint(self) -> tuple:
-        """What :meth:`restore` needs to undo every append and eviction made after this call (blocks are only
-        written past their ``used`` count, so remembering the counts is enough).  A block evicted after it must not
-        be reused before the restore: a layer's commit appends before it evicts, so it never is."""
-        return (list(self.blocks), [blk.used for blk in self.blocks], self.end, self.begin,
+        """What :meth:`restore` needs to undo every append and eviction made after this call.  Blocks are only
+        written past their ``used`` count and an append writes only into the last block (every earlier one is
+        full) and new ones, so the block list and the last block's count are enough: taken every decode step by
+        every layer, the state costs the same at any context.  A block evicted after it must not be reused before
+        the restore: a layer's commit appends before it evicts, so it never is."""
+        return (tuple(self.blocks), self.blocks[-1].used if self.blocks else 0, self.end, self.begin,
                 {side: dict(d) for side, d in self.shared.items()})
 
     def restore(self, state: tuple) -> None:
-        blocks, used, self.end, self.begin, shared = state
+        blocks, last_used, self.end, self.begin, shared = state
         self._run = None
-        for blk, n in zip(blocks, used):
-            blk.used = n
+        if blocks:
+            blocks[-1].used = last_used
         self.blocks, self.shared = list(blocks), {side: dict(d) for side, d in shared.items()}
         if self.pool is not None:  # blocks appended since give their slots back, evicted ones take theirs again
             self.pool.keep_only({blk.slot: (blk.start // self.block_tokens, blk.parts) for blk in self.blocks})
