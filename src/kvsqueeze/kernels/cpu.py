@@ -9,9 +9,10 @@ float32 tile, score and accumulate it with two BLAS GEMMs and an exact online so
 hides (the module comment above it in the C++ source says why this design).  Formats the kernel cannot read
 (calibrated extras, sign sketches) go to the block-by-block reference at any step length.
 
-Each instruction-set path (:data:`ISAS`: ``avx512-vbmi``, ``avx512-vnni``, ``avx2``, ``generic``) is its own build with explicit
-target flags, cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default ``~/.cache/torch_extensions/kvsqueeze``) and
-keyed by a hash of the sources, the flags and torch's version; ``auto`` takes the best this CPU runs and
+Each instruction-set path (:data:`ISAS`: ``avx512-vbmi``, ``avx512-vnni``, ``avx2``, ``generic``) is its own build
+with explicit target flags, cached under ``$TORCH_EXTENSIONS_DIR/kvsqueeze`` (default
+``~/.cache/torch_extensions/kvsqueeze``) and keyed by a hash of the sources, the flags and torch's version; ``auto``
+takes the best this CPU runs and
 ``KVSQUEEZE_CPU_ISA`` (or :func:`use_isa`) forces one.  If the compiler or ninja is missing, or
 ``KVSQUEEZE_NO_CPP=1`` is set, :func:`available` is False and ``auto`` uses the reference.  Builds are serialised by an advisory file lock that the operating system releases when its holder
 dies, so a build interrupted by Ctrl-C or a kill leaves nothing that makes the next process wait for ever (torch's
@@ -67,9 +68,8 @@ def _cpu_flags() -> str:
 # build made on one machine runs on any machine with that path's features, and every path can be forced and tested
 # on a machine that has it.  avx512-vnni: key scores by vpdpbusd/vpdpwssd, 16-lane float vectors; avx512-vbmi: the
 # same plus VBMI's vpmultishiftqb, which places a rotated codebook's codes in one instruction per vector (Ice Lake,
-# Zen 4 and later; Cascade Lake has VNNI without it); avx2: by
-# vpmaddwd over codes widened to int16, 8 lanes; generic: the compiler's baseline for the architecture (float path
-# only).
+# Zen 4 and later; Cascade Lake has VNNI without it); avx2: by vpmaddwd over codes widened to int16, 8 lanes;
+# generic: the compiler's baseline for the architecture (float path only).
 ISAS = ("avx512-vbmi", "avx512-vnni", "avx2", "generic")
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # GCC's generic tuning splits unaligned 256-bit loads and stores into 128-bit halves, which cost the AVX2 build a
