@@ -20,6 +20,13 @@ def test_a_launch_shape_is_parsed_with_the_modules_chunk_by_default():
     assert triton_decode.parse_launch("32:4096:1:256:1") == (32, 4096, 1, 256, 1)
 
 
+@pytest.mark.parametrize("shape", [(32, 1024, 4, 256, 0), (32, 4096, 1, 512, 2)])
+def test_the_current_launch_shape_is_printed_as_the_parser_reads_it(shape, monkeypatch):
+    for name, value in zip(("BLOCK_T", "TARGET_PROGRAMS", "NUM_WARPS", "CHUNK", "NUM_STAGES"), shape):
+        monkeypatch.setattr(triton_decode, name, value)
+    assert triton_decode.parse_launch(triton_decode.launch_text()) == shape
+
+
 @pytest.mark.parametrize("text", ["", "32", "32:1024", "x:1024:4", "24:1024:4", "8:1024:4", "32:1024:3",
                                   "32:0:4", "32:1024:4:16", "32:1024:4:256:9",
                                   "32:1024:4:256:1:1"])

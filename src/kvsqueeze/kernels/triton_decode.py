@@ -92,6 +92,11 @@ def parse_launch(text: str) -> tuple[int, int, int, int, int]:
     return bt, programs, warps, chunk, stages
 
 
+def launch_text() -> str:
+    """The current launch shape as ``parse_launch`` reads it: ``BT:PROGRAMS:WARPS:CHUNK[:STAGES]``."""
+    return f"{BLOCK_T}:{TARGET_PROGRAMS}:{NUM_WARPS}:{CHUNK}" + (f":{NUM_STAGES}" if NUM_STAGES else "")
+
+
 def launch_options() -> dict:
     """The partials launch's num_warps (and num_stages, where set)."""
     return {"num_warps": NUM_WARPS, **({"num_stages": NUM_STAGES} if NUM_STAGES else {})}
