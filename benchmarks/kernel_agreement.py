@@ -1,7 +1,8 @@
 """Does the C++ kernel change what a model generates?  Greedy decoding, C++ kernel vs the pure-torch reference.
 
 For each preset and each instruction-set path of the C++ kernel this CPU runs (``avx512-vbmi``, ``avx512-vnni`` and
-``avx2`` score keys by integer dot products with a query rounded to ~15 bits; ``generic`` is float only), the embedded
+``avx2`` score keys by integer dot products with a query rounded to ~15 bits, the two AVX-512 paths weight 2/4-bit
+per-token values with weights rounded to 16 bits; ``generic`` is float only), the embedded
 model generates ``--steps`` greedy tokens after a WikiText-2 prompt of ``--prompt`` tokens (so most of the context is
 stored quantized, past the 128-token window), once with ``backend="cpu"`` and once with the reference
 (``backend="torch"``) over the same codes.  Printed per preset and path: the tokens that agree, the first
@@ -33,17 +34,19 @@ def greedy(model, ids: torch.Tensor, spec, backend: str, steps: int) -> tuple[to
     return out.sequences[0, ids.shape[1]:], torch.stack(out.logits)[:, 0].float()
 
 
-def integer_scores(spec, head_dim: int) -> str:
-    """Whether the selected path scores the keys by integer dot products: yes / no, or "k of n layers" for an
-    artifact whose layers have their own formats."""
+def integer_paths(spec, head_dim: int) -> str:
+    """Whether the selected path scores the keys and weights the values by integer dot products, "keys / values":
+    yes / no each, or "k of n layers" for an artifact whose layers have their own formats."""
     from kvsqueeze.kernels import cpu
     from kvsqueeze.quant.format import storage_format
 
-    keys = [k for k, _ in spec.layer_overrides] if spec.layer_overrides else [spec.key]
-    hits = sum(cpu.integer_key_format(storage_format(k, head_dim, torch.float32)) for k in keys)
-    if len(keys) == 1:
-        return "yes" if hits else "no"
-    return f"{hits} of {len(keys)} layers"
+    sides = spec.layer_overrides or [(spec.key, spec.value)]
+
+    def count(served, i: int) -> str:
+        hits = sum(served(storage_format(side[i], head_dim, torch.float32)) for side in sides)
+        return ("yes" if hits else "no") if len(sides) == 1 else f"{hits} of {len(sides)} layers"
+
+    return f"{count(cpu.integer_key_format, 0)} / {count(cpu.integer_value_format, 1)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     isas = [i for i in (args.isa or cpu.runnable_isas()) if i in cpu.runnable_isas()]
     print(f"## C++ kernel vs reference: {args.model or 'embedded model'}, {ids.shape[1]}-token WikiText-2 prompt, {args.steps} greedy "
           f"steps, {torch.get_num_threads()} threads; paths: {', '.join(isas)}\n")
-    print("| preset | path | integer key scores | tokens equal | first divergence | max logit diff (kernel - reference) "
+    print("| preset | path | integer keys / values | tokens equal | first divergence | max logit diff (kernel - reference) "
           "| max logit diff (reference - full) |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             for isa in isas:
                 with cpu.use_isa(isa):
                     got_tokens, got_logits = greedy(model, ids, specs[spec], "cpu", args.steps)
-                    integer = integer_scores(specs[spec], head_dim)
+                    integer = integer_paths(specs[spec], head_dim)
                 agree = int((got_tokens == ref_tokens).cumprod(0).sum())
                 first = "none" if agree == args.steps else str(agree)
                 diff = (got_logits[:agree] - ref_logits[:agree]).abs().max().item() if agree else float("nan")

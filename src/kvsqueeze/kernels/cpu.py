@@ -269,6 +269,27 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
     return fmt.group == fmt.head_dim if fmt.axis == "token" else fmt.group % vw == 0
 
 
+def integer_values(plan: SegmentPlan) -> bool:
+    """Whether the selected path weights this plan's stored values by int16 dot products (``_csrc/int_values.h``,
+    the AVX-512 VNNI builds: 2/4-bit per-token codes whose groups span 8 or a multiple of 16 packing units): each
+    query row's weights p * scale are rounded to 16 bits per work item, so results differ from the reference by a
+    bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs) rather than by float32 rounding."""
+    return integer_value_format(plan.value_format)
+
+
+def integer_value_format(fmt: StorageFormat | None) -> bool:
+    """:func:`integer_values` for a value storage format."""
+    if fmt is None or not selected_isa().startswith("avx512") or fmt.kind != "int" or not fmt.plain:
+        return False
+    if fmt.bits not in (2, 4) or fmt.axis != "token" or fmt.head_dim not in COMPILED_HEAD_DIMS:
+        return False
+    per = 8 // fmt.bits  # codes per byte; a vector holds 16 bytes' codes
+    if (fmt.head_dim // per) % 16 or fmt.group % per or fmt.head_dim // fmt.group > 16:
+        return False
+    span = fmt.group // per
+    return span % 16 == 0 or span == 8
+
+
 def _kernel_ready(fmt: StorageFormat | None) -> bool:
     return fmt is None or (fmt.plain and fmt.kind in ("fp", "int", "fp8", "rot"))
 

@@ -21,9 +21,14 @@ struct Ctx {
 
 struct Scratch {
   std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc, wt;
+  std::vector<int16_t> wq;  // int_values.h: 4 rows' int16 weights per group
   Scratch(int D, int64_t R, int64_t chunk)
       : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
-        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16) {}
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16) {
+#if defined(KVSQ_INT_VALUES)
+    wq.resize(4 * INT_VALUES_MAX_GROUPS * (chunk + 2));
+#endif
+  }
 };
 
 // Scores s[r * chunk + t] of the R query rows against tokens [t0, t0 + n) of one segment.
@@ -109,9 +114,13 @@ bool segment_values(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
   const int D = DT ? DT : cx.D;
   const int64_t R = cx.R, W = cx.W, chunk = cx.chunk;
   const Perm& vpm = (*cx.vperm)[sg.fmt];
-  const bool fast_v =
-      DT > 0 && (try_fast_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, vpm.unit_group.data(), tp) ||
-                 try_cb_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A));
+  bool fast_v = false;
+#if defined(KVSQ_INT_VALUES)
+  fast_v = DT > 0 && try_int_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, tp, sc.wq.data());
+#endif
+  fast_v = fast_v ||
+           (DT > 0 && (try_fast_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, vpm.unit_group.data(), tp) ||
+                       try_cb_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A)));
   for (int u0 = 0; u0 < (fast_v ? 0 : n); u0 += TILE) {
     const int nt = std::min(TILE, n - u0);
     int64_t vs;
