@@ -134,9 +134,10 @@ def test_greedy_generation_matches_reference_mixed_sliding_batch(tiny_mixed_slid
 
 
 # value layouts: (bits, group, whether the AVX-512 builds weight them by int16 dot products): groups spanning a
-# multiple of 16 packing units or exactly 8 (two halves of a vector) are served, the rest take the float path
+# multiple of 16 packing units or exactly 8 (two halves of a vector) are served, the rest take the float path.
+# 8-bit codes are not: the weights' rounding measured 3% of int8's own (small) error, for 6% of its layer's time.
 INT_VALUE_CASES = [(4, 32, True), (4, 64, True), (4, 16, True), (2, 32, True), (2, 64, True), (2, 16, False),
-                   (4, 8, False), (8, 32, False)]
+                   (4, 8, False), (8, 64, False)]
 
 
 @pytest.mark.parametrize("bits, group, served", INT_VALUE_CASES)
