@@ -286,9 +286,10 @@ SPECS = ["k4t32-v4t32-w16", "k2c16-v2t16-w16-s4", "k8t32-v3c16-w16", "k3r-v2.5r-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("val", [INF, float("nan"), 1e30], ids=["inf", "nan", "1e30"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_quantized_nonfinite_attention_agrees(kernels, spec, val, dtype):
+@pytest.mark.parametrize("d", [32, 64], ids=["d32", "d64"])  # 64: the C++ kernel's fast paths (integer keys/values)
+def test_quantized_nonfinite_attention_agrees(kernels, spec, val, dtype, d):
     """Non-finite and huge values in quantized tokens: finite attention, the same in every kernel."""
-    layer = _layer(spec, [6, 10, 33], val, dtype)
+    layer = _layer(spec, [6, 10, 33], val, dtype, d=d)
     outs = _compare(kernels, layer, dtype, "quantized")
     assert torch.isfinite(outs["reference"]).all()
 
