@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     isas = [i for i in (args.isa or cpu.runnable_isas()) if i in cpu.runnable_isas()]
     print(f"## C++ kernel vs reference: {args.model or 'embedded model'}, {ids.shape[1]}-token WikiText-2 prompt, {args.steps} greedy "
           f"steps, {torch.get_num_threads()} threads; paths: {', '.join(isas)}\n")
-    print("| preset | path | integer keys / values | tokens equal | first divergence | max logit diff (kernel - reference) "
-          "| max logit diff (reference - full) |")
+    print("| preset | path | integer keys / values | tokens equal | first divergence "
+          "| max logit diff (kernel - reference) | max logit diff (reference - full) |")
     print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         full_tokens, full_logits = greedy(model, ids, "full", "torch", args.steps)

@@ -1,14 +1,15 @@
 // Weighted values by int16 dot products (AVX-512 VNNI builds; other builds keep the float path of fast_path.h).
 //
 // fast_values spends one float multiply-add per code and query row (three at SmolLM2's 3 query heads per KV head):
-// at 2 and 4 bits those, not the bytes read, bound the values' part of a decode step (a third of kivi-4's layer).
+// at 2 and 4 bits those, not the bytes read, bound the values' part of a decode step (27% of kivi-4's layer).
 // Here each query row's weights w_rtg = p_rt a_tg (probability times the token's scale in group g) are rounded once
 // per item to int16, wq = round(w / sw_rg) with sw_rg = max_t |w_rtg| / 32767, and two tokens are multiplied at once:
 // lane l of a vector holds the codes of tokens t and t + 1 as two int16 and the weight vector (wq_t, wq_t+1), so one
-// vpdpwssd adds 32 products to int32 lanes where a float multiply-add adds 16.  Codes are centred, c - 2^(bits-1),
-// and the centre comes back through the float sum of the weights: acc += sum_t wq_t sw (c_t - mid) + mid sum_t w_t
-// + sum_t p_t c_tg (zero points).  Lane sums are exact; the error added to the reference's is the weights' rounding,
-// |d acc| <= sw_rg / 2 * sum_t |c_t - mid| per channel, half of what uncentred codes gave (tests/kernels bound it).
+// vpdpwssd adds 32 products to int32 lanes where a float multiply-add adds 16.  The sums are centred on the codes'
+// middle, mid = 2^(bits-1), by subtracting mid sum_t wq_t (exact, in int32), and mid comes back through the float
+// sum of the weights: acc += sw sum_t wq_t (c_t - mid) + mid sum_t w_t + sum_t p_t c_tg (zero points).  Lane sums are
+// exact; the error added to the reference's is the weights' rounding, |d acc| <= sw_rg / 2 * sum_t |c_t - mid| per
+// channel, half of what uncentred sums gave (tests/kernels bound it).
 // Served: 2/4-bit per-token codes whose vectors (16 packing units) each lie in one group (G / per a multiple of 16:
 // kivi-4's and int4's values) or in two halves of 8 lanes (G / per = 8: kivi-2's groups of 32 at 2 bits), with
 // finite scales and zero points (an inf / NaN one goes to the float path, which gives the reference's result).
@@ -22,8 +23,8 @@ constexpr int INT_VALUES_RUN = 256;  // tokens per pass: 256 x 240 x 32767 < 2^3
 constexpr int INT_VALUES_MAX_GROUPS = 16;    // per-token groups per row (fast_bits: DT / G <= 16)
 
 // Rows' int16 weights wq[(r NG + g) n2 + t] (n2: n rounded up to even, the pad token's weight 0), their scales
-// sw[r NG + g], sums qsum[r NG + g] and zero sums cz[r NG + g] (with the centre's mid sum_t w_t).  (A row whose probabilities are NaN is dropped by the merge whatever its
-// partial holds: run_item marks it.)
+// sw[r NG + g], sums qsum[r NG + g] and zero sums cz[r NG + g] (with the centre's mid sum_t w_t).  (A row whose
+// probabilities are NaN is dropped by the merge whatever its partial holds: run_item marks it.)
 template <int RB>
 void int_value_weights(const float* p, int64_t p_stride, const float* A, const float* C, int NG, int n, float mid,
                        float* ag, float* cg, float* wf, int16_t* wq, int n2, float* sw, int32_t* qsum, float* cz) {
