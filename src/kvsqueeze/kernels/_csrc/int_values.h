@@ -22,6 +22,11 @@ namespace {
 constexpr int INT_VALUES_RUN = 256;  // tokens per pass: 256 x 240 x 32767 < 2^31 (int_values_pass)
 constexpr int INT_VALUES_MAX_GROUPS = 16;    // per-token groups per row (fast_bits: DT / G <= 16)
 
+// The lanes of a 16-float step at i that lie before end (every lane but in the last step)
+inline __mmask16 lanes_before(int i, int end) {
+  return i + 16 <= end ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
+}
+
 // Rows' int16 weights wq[(r NG + g) n2 + t] (n2: n rounded up to even, the pad token's weight 0), their scales
 // sw[r NG + g], sums qsum[r NG + g] and zero sums cz[r NG + g] (with the centre's mid sum_t w_t).  (A row whose
 // probabilities are NaN is dropped by the merge whatever its partial holds: run_item marks it.)
@@ -35,7 +40,7 @@ void int_value_weights(const float* p, int64_t p_stride, const float* A, const f
       // one pass: the weights (kept), their largest magnitude, the zero sum plus the centring's mid * sum_t w_t
       __m512 mx = _mm512_setzero_ps(), z = _mm512_setzero_ps();
       for (int t = 0; t < n; t += 16) {
-        const __mmask16 m = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+        const __mmask16 m = lanes_before(t, n);
         const __m512 pv = _mm512_maskz_loadu_ps(m, pr + t);
         const __m512 w = _mm512_mul_ps(pv, _mm512_maskz_loadu_ps(m, ag + t));
         _mm512_storeu_ps(wf + t, w);
@@ -47,7 +52,7 @@ void int_value_weights(const float* p, int64_t p_stride, const float* A, const f
       int16_t* q = wq + (r * NG + g) * n2;
       __m512i qs = _mm512_setzero_si512();
       for (int t = 0; t < n; t += 16) {
-        const __mmask16 m = t + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+        const __mmask16 m = lanes_before(t, n);
         const __m512i wi = _mm512_maskz_cvtps_epi32(m, _mm512_mul_ps(_mm512_loadu_ps(wf + t), inv));
         _mm256_mask_storeu_epi16(q + t, m, _mm512_cvtsepi32_epi16(wi));
         qs = _mm512_add_epi32(qs, wi);
@@ -147,7 +152,7 @@ void int_values_block(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, c
     for (int i = 0; i < (n > INT_VALUES_RUN ? RB * NG : 0); ++i) {  // an item of several runs: each run's sums
       __m512i qs = _mm512_setzero_si512();
       for (int t = tb; t < te; t += 16) {
-        const __mmask16 m = t + 16 <= te ? 0xFFFF : static_cast<__mmask16>((1u << (te - t)) - 1);
+        const __mmask16 m = lanes_before(t, te);
         qs = _mm512_add_epi32(qs, _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16(m, wq + i * n2 + t)));
       }
       qsum[i] = _mm512_reduce_add_epi32(qs);
@@ -181,13 +186,14 @@ bool try_int_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, con
   const int NG = DT / sd.f.group;
   token_params(sd, b, h, t0, n, NG, tp.A, tp.C);
   // an inf / NaN scale or zero point: the float path, whose products give the reference's non-finite result
+  // (0 x (a + c) is NaN only where one of them is not finite)
   __m512 bad = _mm512_setzero_ps();
   for (int i = 0; i < n * NG; i += 16) {
-    const __mmask16 m = i + 16 <= n * NG ? 0xFFFF : static_cast<__mmask16>((1u << (n * NG - i)) - 1);
+    const __mmask16 m = lanes_before(i, n * NG);
     bad = _mm512_add_ps(bad, _mm512_mul_ps(_mm512_setzero_ps(), _mm512_add_ps(_mm512_maskz_loadu_ps(m, tp.A + i),
                                                                              _mm512_maskz_loadu_ps(m, tp.C + i))));
   }
-  if (!std::isfinite(_mm512_reduce_add_ps(bad))) return false;  // 0 x (a + c) is NaN only where one is not finite
+  if (!std::isfinite(_mm512_reduce_add_ps(bad))) return false;
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int64_t rb = std::min<int64_t>(4, R - r0);
     with_rows(static_cast<int>(rb), [&](auto rows) {
