@@ -248,15 +248,18 @@ COMPILED_HEAD_DIMS = (64, 128, 256)
 
 def integer_scores(plan: SegmentPlan) -> bool:
     """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
-    2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row): their
-    query is rounded to about 15 bits, so results differ from the reference by a bounded amount rather than by
-    float32 rounding (tests/kernels: within 4e-4 on O(1) outputs, and a small share of the format's own error)."""
+    2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row;
+    ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path): their query is rounded to about 15
+    bits (rotated levels to 13), so results differ from the reference by a bounded amount rather than by float32
+    rounding (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share of the format's own error)."""
     return integer_key_format(plan.key_format)
 
 
 def integer_key_format(fmt: StorageFormat | None) -> bool:
     """:func:`integer_scores` for a key storage format."""
     isa = selected_isa()
+    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and query, the VBMI build only
+        return isa == "avx512-vbmi" and fmt.plain and fmt.head_dim in COMPILED_HEAD_DIMS
     if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
         return False
     if fmt.head_dim not in COMPILED_HEAD_DIMS:  # other head_dims take the kernel's generic float path

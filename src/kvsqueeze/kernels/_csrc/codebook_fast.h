@@ -455,17 +455,37 @@ void cb_groups(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, f
   }
 }
 
+// Centred layouts: s[r][t] += q'_r . mean_g over each group's tokens
+template <int DT>
+void cb_mean_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qn, int64_t R, float* s,
+                    int64_t s_stride) {
+  float mean[DT];
+  cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float qm = dot<DT>(qn + r * DT, mean, DT);
+      float* sr = s + r * s_stride;
+      for (int t = lo; t < hi; ++t) sr[t] += qm;
+    }
+  });
+}
+
 // Hook for run_item: scores of R query rows (qn: rotated, scaled, natural order) against a CODEBOOK side.
 // sc: n + VW floats of scratch.
 template <int DT>
 bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qn, int64_t R, float* s,
                    int64_t s_stride, float* sc) {
   if (sd.f.kind != CODEBOOK || DT % VW) return false;
+  std::fill(sc + n, sc + n + VW, 0.f);
+  cb_scales(sd, b, h, t0, n, DT, sc);
+#if defined(KVSQ_CB_INT)
+  if (try_cb_int_scores<DT>(sd, b, h, t0, n, qn, R, s, s_stride, sc)) {
+    cb_mean_scores<DT>(sd, b, h, t0, n, qn, R, s, s_stride);
+    return true;
+  }
+#endif
   const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
   if (!cr) return false;
   const CbTables tb(sd, std::integral_constant<int, DT>{});
-  std::fill(sc + n, sc + n + VW, 0.f);
-  cb_scales(sd, b, h, t0, n, DT, sc);
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* qr = qn + r0 * DT;
@@ -479,14 +499,7 @@ bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, cons
       else cb_scores<DT, RB, CB_SPLIT>(sd, *cr, tb, b, h, t0, n, qr, sr, s_stride, sc);
     });
   }
-  float mean[DT];
-  cb_groups(sd, b, h, t0, n, DT, mean, [&](int lo, int hi) {  // centred: + q' . mean_g over the group's tokens
-    for (int64_t r = 0; r < R; ++r) {
-      const float qm = dot<DT>(qn + r * DT, mean, DT);
-      float* sr = s + r * s_stride;
-      for (int t = lo; t < hi; ++t) sr[t] += qm;
-    }
-  });
+  cb_mean_scores<DT>(sd, b, h, t0, n, qn, R, s, s_stride);
   return true;
 }
 

@@ -11,11 +11,11 @@
 //
 // Files: formats.h (tensor views, formats, parameters, generic dequantization), plan.h (the KernelPlan both entry
 // points take, and the StoredRun it may reuse), simd_generic.h / simd_avx2.h (helpers per instruction set),
-// codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_fast.h (rotated codebook sides in
-// registers), int_scores.h (integer key scores: AVX-512 VNNI or AVX2), int_values.h (integer weighted values:
-// AVX-512 VNNI), mask.h, decode.h (the decode entry point),
-// multi.h (the multi-query entry point), paged.h (both over a paged pool's sequences); this file: includes and
-// bindings.  Each instruction-set path is its own
+// codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_int.h (rotated codebook keys by
+// int16 dot products: AVX-512 VBMI), codebook_fast.h (rotated codebook sides in registers), int_scores.h (integer
+// key scores: AVX-512 VNNI or AVX2), int_values.h (integer weighted values: AVX-512 VNNI), mask.h, decode.h (the
+// decode entry point), multi.h (the multi-query entry point), paged.h (both over a paged pool's sequences); this
+// file: includes and bindings.  Each instruction-set path is its own
 // build (kernels/cpu.py), so the same sources compile with or without each feature.
 
 #include <torch/extension.h>
@@ -44,6 +44,7 @@
 #include "simd_avx2.h"
 #include "codebook.h"
 #include "fast_path.h"
+#include "codebook_int.h"
 #include "codebook_fast.h"
 #include "int_scores.h"
 #include "int_values.h"
