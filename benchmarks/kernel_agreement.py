@@ -1,8 +1,9 @@
 """Does the C++ kernel change what a model generates?  Greedy decoding, C++ kernel vs the pure-torch reference.
 
 For each preset and each instruction-set path of the C++ kernel this CPU runs (``avx512-vbmi``, ``avx512-vnni`` and
-``avx2`` score keys by integer dot products with a query rounded to ~15 bits, the two AVX-512 paths weight 2/4-bit
-per-token values with weights rounded to 16 bits; ``generic`` is float only), the embedded
+``avx2`` score integer keys by integer dot products with a query rounded to ~15 bits, ``avx512-vbmi`` also rotated
+keys with levels and query rounded to 13-14 bits, the two AVX-512 paths weight 2/4-bit per-token values with weights
+rounded to 16 bits; ``generic`` is float only), the embedded
 model generates ``--steps`` greedy tokens after a WikiText-2 prompt of ``--prompt`` tokens (so most of the context is
 stored quantized, past the 128-token window), once with ``backend="cpu"`` and once with the reference
 (``backend="torch"``) over the same codes.  Printed per preset and path: the tokens that agree, the first
