@@ -5,6 +5,30 @@ namespace {
 
 inline const float* table_row(const Side& sd, int r) { return reinterpret_cast<const float*>(sd.zero.row(0, 0, r)); }
 
+// A rotated format's lane layout (Row: CbRow or CbIntRow, built by Row::init), kept per thread for the last four
+// formats by their widths and split (building one cost as much as a dozen tokens per work item); null where init
+// refuses the format
+template <class Row>
+const Row* format_lanes(const Fmt& f) {
+  struct Slot {
+    int bh = -1, nh = -1, bl = -1;
+    bool ok = false;
+    Row row;
+  };
+  static thread_local Slot slots[4];
+  static thread_local int next = 0;
+  for (Slot& sl : slots)
+    if (sl.bh == f.bits && sl.nh == cb_n_hi(f) && sl.bl == cb_bits_lo(f)) return sl.ok ? &sl.row : nullptr;
+  Slot& sl = slots[next];
+  next = (next + 1) % 4;
+  sl.bh = f.bits;
+  sl.nh = cb_n_hi(f);
+  sl.bl = cb_bits_lo(f);
+  sl.row = Row();
+  sl.ok = sl.row.init(f);
+  return sl.ok ? &sl.row : nullptr;
+}
+
 // Rotated codebook rows [t0, t0+n): (mean +) scale * cb[code] in the rotated space, field-major order (chan:
 // the rotated coordinate at each position), into out[n][D].
 inline void codebook_rows(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, float* out,

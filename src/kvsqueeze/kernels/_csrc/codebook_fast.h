@@ -205,27 +205,10 @@ struct CbLevels {
 #endif
 };
 
-// The lane layout of a format, built once per thread and format (it cost as much as a dozen tokens per work item);
-// null where init refuses it
+// The lane layout of a format, built once per thread and format; null where init refuses it
 template <int DT>
 const CbRow<DT>* cb_lanes(const Fmt& f) {
-  struct Slot {
-    int bh = -1, nh = -1, bl = -1;
-    bool ok = false;
-    CbRow<DT> row;
-  };
-  static thread_local Slot slots[4];
-  static thread_local int next = 0;
-  for (Slot& sl : slots)
-    if (sl.bh == f.bits && sl.nh == cb_n_hi(f) && sl.bl == cb_bits_lo(f)) return sl.ok ? &sl.row : nullptr;
-  Slot& sl = slots[next];
-  next = (next + 1) % 4;
-  sl.bh = f.bits;
-  sl.nh = cb_n_hi(f);
-  sl.bl = cb_bits_lo(f);
-  sl.row = CbRow<DT>();
-  sl.ok = sl.row.init(f);
-  return sl.ok ? &sl.row : nullptr;
+  return format_lanes<CbRow<DT>>(f);
 }
 
 // The code rows of an item (first row, stride and the storage's end, read once: the side's fields are re-read after

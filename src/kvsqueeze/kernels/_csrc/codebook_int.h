@@ -72,28 +72,6 @@ struct CbIntRow {
   }
 };
 
-// The layout of a format, built once per thread and format (as cb_lanes); null where init refuses it
-template <int DT>
-const CbIntRow<DT>* cb_int_lanes(const Fmt& f) {
-  struct Slot {
-    int bh = -1, nh = -1, bl = -1;
-    bool ok = false;
-    CbIntRow<DT> row;
-  };
-  static thread_local Slot slots[4];
-  static thread_local int next = 0;
-  for (Slot& sl : slots)
-    if (sl.bh == f.bits && sl.nh == cb_n_hi(f) && sl.bl == cb_bits_lo(f)) return sl.ok ? &sl.row : nullptr;
-  Slot& sl = slots[next];
-  next = (next + 1) % 4;
-  sl.bh = f.bits;
-  sl.nh = cb_n_hi(f);
-  sl.bl = cb_bits_lo(f);
-  sl.row = CbIntRow<DT>();
-  sl.ok = sl.row.init(f);
-  return sl.ok ? &sl.row : nullptr;
-}
-
 // The two level tables as int16 (each repeated to 32 entries) and their common scale; ok false for a table that is
 // not finite or all zero
 struct CbIntTables {
@@ -211,7 +189,7 @@ template <int DT>
 bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qn, int64_t R, float* s,
                        int64_t s_stride, const float* scale) {
   if (DT % 32 || R > 64) return false;
-  const CbIntRow<DT>* cr = cb_int_lanes<DT>(sd.f);
+  const CbIntRow<DT>* cr = format_lanes<CbIntRow<DT>>(sd.f);
   if (!cr) return false;
   const CbIntTables tb(sd, DT);
   if (!tb.ok) return false;
