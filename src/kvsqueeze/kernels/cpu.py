@@ -249,9 +249,10 @@ COMPILED_HEAD_DIMS = (64, 128, 256)
 def integer_scores(plan: SegmentPlan) -> bool:
     """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
     2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row;
-    ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path): their query is rounded to about 15
-    bits (rotated levels to 13), so results differ from the reference by a bounded amount rather than by float32
-    rounding (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share of the format's own error)."""
+    ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path, decode steps of up to 64 query rows
+    per KV head): their query is rounded to about 15 bits (rotated keys: levels and query to 13-14 bits plus sign),
+    so results differ from the reference by a bounded amount rather than by float32 rounding (tests/kernels: within
+    INT_DOT_ATOL on O(1) outputs, and a small share of the format's own error)."""
     return integer_key_format(plan.key_format)
 
 
