@@ -1,22 +1,22 @@
-// Rotated codebook keys scored by int16 dot products (the avx512-vbmi build: VBMI and VNNI; other builds keep the
-// float levels of codebook_fast.h).
+// Rotated codebook keys scored by int16 dot products (the avx512-vbmi build: VBMI and VNNI; other builds keep the float
+// levels of codebook_fast.h).
 //
-// The float path turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation)
-// and spends one multiply-add per 16 coordinates and query row: rot-3's keys at head_dim 64 took ~33 instructions a
-// token, bound by Zen 4's two shuffle pipes.  Here each 32 coordinates' codes become int16 levels in three shuffles:
-// vpermb gives every qword the 8 code bytes its four codes lie in, vpmultishiftqb brings each code to the low bits
-// of its word, and vpermt2w reads the level tables (each repeated to 32 entries, so the bits above a code select the
-// same level; index bit 5, set for the low run's lanes, picks the second table).  One vpdpwssd per 32 coordinates and
-// query row multiplies and adds pairs into int32 lanes; a block of VW tokens is reduced to VW scores at once, as
-// cb_scores does.
-// Rounding: levels to int16 at lsc = M / max|level| (the tables are fixed per layer: that error is systematic, at
-// most max|level| / 2M per coordinate, ~1/4000 of rot-3's own rms error at head_dim 256), each query row per work
-// item at qsc = M / max|q'|, M = cb_int_max(DT): 16383 at head_dim 64, 11585 at 128, 8191 at 256.  An int32 lane
-// sums DT / 16 products and the first pairwise level of the token reduction two lanes, DT / 8 products of at most
-// M^2 each, < 2^31; the sums are converted to float there, before the lanes of a token add up to its dot product.
-// s_t = scale_t * dot_t / (qsc lsc); against the float levels |ds_t| <= scale_t (sum_c |L_tc| / (2 qsc lsc) +
-// sum_c |q'_c| max|level| / 2M), tested against the reference in tests/kernels.  A query row with a non-finite
-// value, or a level table that is not finite, keeps the float path (the reference's non-finite result).
+// The float path turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation) and
+// spends one multiply-add per 16 coordinates and query row: rot-3's keys at head_dim 64 took ~33 instructions a token,
+// bound by Zen 4's two shuffle pipes.  Here each 32 coordinates' codes become int16 levels in three shuffles: vpermb
+// gives every qword the 8 code bytes its four codes lie in, vpmultishiftqb brings each code to the low bits of its
+// word, and vpermw reads the level table (repeated to 32 entries, so the bits above a code select the same level; a
+// vector holding both runs takes vpermt2w, its index bit 5 set for the low run's lanes).  One vpdpwssd per 32
+// coordinates and query row multiplies and adds pairs into int32 lanes; a block of VW tokens is reduced to VW scores at
+// once, as cb_scores does.
+// Rounding: levels to int16 at lsc = M / max|level| (the tables are fixed per layer: that error is systematic, at most
+// max|level| / 2M per coordinate: ~1/1400 of a 3-bit codebook's own rms error at head_dim 256), each query row per work
+// item at qsc = M / max|q'|, M = cb_int_max(DT): 16383 at head_dim 64, 11585 at 128, 8191 at 256.  An int32 lane sums
+// DT / 16 products and the first pairwise level of the token reduction two lanes, DT / 8 products of at most M^2 each,
+// < 2^31; the sums are converted to float there, before the lanes of a token add up to its dot product. s_t = scale_t *
+// dot_t / (qsc lsc); against the float levels |ds_t| <= scale_t (sum_c |L_tc| / (2 qsc lsc) + sum_c |q'_c| max|level| /
+// 2M), tested against the reference in tests/kernels.  A query row with a non-finite value, or a level table that is
+// not finite, keeps the float path (the reference's non-finite result).
 #pragma once
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
