@@ -60,6 +60,28 @@ def require_triton_runtime() -> None:
 INT_DOT_ATOL = 8e-4
 
 
+def kernel_and_own_error(spec: str, head_dim: int) -> tuple[LayerKV, torch.Tensor, torch.Tensor]:
+    """A layer of preset ``spec`` over 600 random tokens (599 stored, one new; batch 2, 2 KV heads, 6 query heads,
+    seed ``head_dim``) and one decode step's outputs: the layer, the C++ kernel's largest difference from the
+    reference over the same codes, and the reference's own from exact attention over the unquantized K/V."""
+    from kvsqueeze.kernels import cpu
+    from kvsqueeze.spec import preset
+
+    g = torch.Generator().manual_seed(head_dim)
+    k = torch.randn(2, 2, 600, head_dim, generator=g) * 2 + 0.5
+    v = torch.randn(2, 2, 600, head_dim, generator=g)
+    layer = LayerKV(preset(spec))
+    layer.stage(k[:, :, :599], v[:, :, :599])
+    layer.commit()
+    layer.stage(k[:, :, 599:], v[:, :, 599:])
+    q = torch.randn(2, 6, 1, head_dim, generator=g)
+    scale = head_dim ** -0.5
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+    ref = reference.attend(q, layer.plan(), None, scale)
+    got = cpu.attend(q, layer.plan(), None, scale)
+    return layer, (got - ref).abs().max(), (ref - exact).abs().max()
+
+
 def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new: int,
                              mask: torch.Tensor | None = None, atol: float | None = None) -> None:
     """``attend(q, layer.plan(), mask, 0.125)`` equals the block-by-block reference: same shape and dtype (the query's),

@@ -18,6 +18,7 @@ from kvsqueeze.kernels import cpu, reference
 from ._helpers import (
     assert_matches_reference,
     filled_layer,
+    kernel_and_own_error,
     query_for,
 )
 
@@ -186,23 +187,8 @@ def test_integer_scores_add_a_small_share_of_the_quantization_error(spec, head_d
     """The bound of the integer key path: against attention over the unquantized K/V, the kernel's error is the
     reference's own (the format's) plus at most 3% of it (measured up to 1.25%: int16 queries on 8-bit per-channel
     keys, AVX2)."""
-    from kvsqueeze.cache.layer import LayerKV
-    from kvsqueeze.spec import preset
-
-    g = torch.Generator().manual_seed(head_dim)
-    k = torch.randn(2, 2, 600, head_dim, generator=g) * 2 + 0.5
-    v = torch.randn(2, 2, 600, head_dim, generator=g)
-    layer = LayerKV(preset(spec))
-    layer.stage(k[:, :, :599], v[:, :, :599])
-    layer.commit()
-    layer.stage(k[:, :, 599:], v[:, :, 599:])
-    q = torch.randn(2, 6, 1, head_dim, generator=g)
-    scale = head_dim ** -0.5
-    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    ref = reference.attend(q, layer.plan(), None, scale)
-    got = cpu.attend(q, layer.plan(), None, scale)
-    own = (ref - exact).abs().max()
-    assert (got - ref).abs().max() <= 0.03 * own
+    layer, diff, own = kernel_and_own_error(spec, head_dim)
+    assert diff <= 0.03 * own
     per_token_whole_row = spec in ("int8", "int4", "int2") and head_dim == 64  # one group of 64 per row
     if cpu.selected_isa() != "generic" and (spec.startswith("k") or per_token_whole_row):
         assert cpu.integer_scores(layer.plan())  # the case is really on the integer path

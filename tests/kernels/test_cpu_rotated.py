@@ -9,7 +9,14 @@ import torch
 from kvsqueeze.adapter import cache_kwargs
 from kvsqueeze.kernels import cpu, reference
 
-from ._helpers import INT_DOT_ATOL, assert_matches_reference, filled_layer, padding_mask, query_for
+from ._helpers import (
+    INT_DOT_ATOL,
+    assert_matches_reference,
+    filled_layer,
+    kernel_and_own_error,
+    padding_mask,
+    query_for,
+)
 
 pytestmark = [pytest.mark.skipif(not cpu.available(), reason="C++ kernel could not be built here"),
               pytest.mark.usefixtures("cpu_isa")]
@@ -152,23 +159,7 @@ def test_integer_rotated_keys_add_a_small_share_of_the_quantization_error(spec, 
     over the unquantized K/V its error is the reference's own plus at most 1% of it (measured up to 0.15%: rot-3.5 at
     head_dim 64); kernels/cpu.py integer_scores says which path does so, and the rounding is visible exactly there
     (measured 4.9e-5 to 2.6e-4 on these outputs, |o| <= 3; the float levels <= 1.5e-6)."""
-    from kvsqueeze.cache.layer import LayerKV
-    from kvsqueeze.spec import preset
-
-    g = torch.Generator().manual_seed(head_dim)
-    k = torch.randn(2, 2, 600, head_dim, generator=g) * 2 + 0.5
-    v = torch.randn(2, 2, 600, head_dim, generator=g)
-    layer = LayerKV(preset(spec))
-    layer.stage(k[:, :, :599], v[:, :, :599])
-    layer.commit()
-    layer.stage(k[:, :, 599:], v[:, :, 599:])
-    q = torch.randn(2, 6, 1, head_dim, generator=g)
-    scale = head_dim ** -0.5
-    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    ref = reference.attend(q, layer.plan(), None, scale)
-    got = cpu.attend(q, layer.plan(), None, scale)
-    own = (ref - exact).abs().max()
-    diff = (got - ref).abs().max()
+    layer, diff, own = kernel_and_own_error(spec, head_dim)
     assert diff <= 0.01 * own
     integer = cpu.integer_scores(layer.plan())
     assert integer == (cpu.selected_isa() == "avx512-vbmi")
