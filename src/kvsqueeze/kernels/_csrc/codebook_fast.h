@@ -304,14 +304,8 @@ void cb_scores(const Side& sd, const CbRow<DT>& cr, const CbTables& tb, int64_t 
         buf[r][blk] = x[0];
       }
     }
-    if (blk == NB - 1 || t + TU >= n) {
-      const int first = t - blk * TU, cnt = std::min(VW, n - first);
-      const vf sv = loadf(scale + first);  // (scale has VW floats of padding)
-      for (int r = 0; r < RB; ++r) {
-        for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
-        store_first(s + r * s_stride + first, reduce_tokens<LTU>(buf[r]) * sv, cnt);
-      }
-    }
+    if (blk == NB - 1 || t + TU >= n)  // (scale has VW floats of padding)
+      store_block_scores<LTU>(buf, blk, t - blk * TU, std::min(VW, n - (t - blk * TU)), scale, nullptr, s, s_stride);
   }
 }
 

@@ -171,14 +171,8 @@ void cb_int_scores(const CbIntRow<DT>& cr, const CbIntTables& tb, const char* ro
           pair_sums(reinterpret_cast<vi>(acc[u][r]), reinterpret_cast<vi>(acc[u + 1][r]), l0, VW / 2), vf);
     };
     for (int r = 0; r < RB; ++r) buf[r][blk] = pair_sums(level0(0, r), level0(2, r), l1, VW / 4);
-    if (blk == NB - 1 || t + TU >= n) {
-      const int first = t - blk * TU, cnt = std::min(VW, n - first);
-      const vf sv = loadf(scale + first);  // (scale has VW floats of padding)
-      for (int r = 0; r < RB; ++r) {
-        for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
-        store_first(s + r * s_stride + first, reduce_tokens<2>(buf[r]) * (sv * splat(unit[r])), cnt);
-      }
-    }
+    if (blk == NB - 1 || t + TU >= n)  // (scale has VW floats of padding)
+      store_block_scores<2>(buf, blk, t - blk * TU, std::min(VW, n - (t - blk * TU)), scale, unit, s, s_stride);
   }
 }
 

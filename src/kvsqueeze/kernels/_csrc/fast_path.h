@@ -168,6 +168,22 @@ inline vf reduce_lanes(const vf* x) {
   return reduce_tokens<0>(y);
 }
 
+// The end of a block of VW tokens (or of an item) whose scores are parked per row in buf[r][0 .. blk], each vector
+// holding 2^LTU tokens side by side: the unfilled vectors are zeroed, each row reduced to a lane per token, times
+// the tokens' scales (scale: from the block's first token, VW floats readable) and, where given, a factor per row,
+// and the first cnt stored from s + r * s_stride + first (the codebook score loops, float and integer).
+template <int LTU, int RB, int NB>
+__attribute__((always_inline)) inline void store_block_scores(vf (&buf)[RB][NB], int blk, int first, int cnt,
+                                                              const float* scale, const float* row_factor, float* s,
+                                                              int64_t s_stride) {
+  const vf sv = loadf(scale + first);
+  for (int r = 0; r < RB; ++r) {
+    for (int j = blk + 1; j < NB; ++j) buf[r][j] = vf{};
+    store_first(s + r * s_stride + first, reduce_tokens<LTU>(buf[r]) * (row_factor ? sv * splat(row_factor[r]) : sv),
+                cnt);
+  }
+}
+
 // VW consecutive code bytes widened to int32 lanes (one vpmovzxbd; a plain widening loop compiled to byte loads
 // and lane inserts through the stack at 8 lanes)
 inline vi widen(const uint8_t* __restrict src) {
