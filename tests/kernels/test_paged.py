@@ -254,3 +254,32 @@ def test_a_block_outside_the_pool_is_refused(cpu_isa):
     with pytest.raises(RuntimeError, match="page block 5 is outside the pool of 2"):
         paged_attention(torch.randn(1, H, D), store, pool, torch.tensor([[5, 0]]), torch.tensor([N]),
                         torch.tensor([0, 1]), 0.125)
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_the_formats_benchmark_emulates_what_the_store_returns(name):
+    """benchmarks/paged_formats.py's whole-sequence emulation (K/V of a chunk as the plugin's pages hold them)
+    equals what a PagedStore writes and its pages plus sinks decode to."""
+    import importlib.util
+
+    from ._helpers import ROOT
+
+    spec = importlib.util.spec_from_file_location("paged_formats", ROOT / "benchmarks" / "paged_formats.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    fmt = paged_format(name)
+    T = 3 * N
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(T, H, D, generator=g) * torch.linspace(0.2, 3, D)
+    v = torch.randn(T, H, D, generator=g)
+    pool = torch.zeros(4, H, fmt.token_bytes(N, D) * N, dtype=torch.uint8)
+    store = PagedStore(fmt, N, H, D)
+    blocks = [2, 0, 3]
+    _fill(store, pool, k, v, blocks, [T])
+    store.flush(pool, torch.tensor([blocks]), torch.tensor([T]))
+    dk, dv = fmt.decode(pool[blocks], N, D)  # [3, H, N, D]
+    if fmt.sinks:
+        dk[0, :, : fmt.sinks], dv[0, :, : fmt.sinks] = store.sinks[blocks[0]][0], store.sinks[blocks[0]][1]
+    ek, ev = bench.paged_kv(fmt, k.transpose(0, 1)[None], v.transpose(0, 1)[None])  # [1, H, T, D]
+    assert torch.equal(ek[0], dk.transpose(0, 1).reshape(H, T, D))
+    assert torch.equal(ev[0], dv.transpose(0, 1).reshape(H, T, D))
