@@ -76,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchkit.add_common_args(p, threads=None)
-    p.add_argument("--formats", nargs="+", default=list(FORMATS), help="page formats (default: every one)")
+    p.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS), metavar="FORMAT",
+                   help=f"page formats (default: every one; allowed: {', '.join(FORMATS)})")
     p.add_argument("--context", type=int, default=1024, help="tokens per chunk (a multiple of 32)")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--dataset", default=None, help="corpus (default: WikiText-2 where found, as every script)")
     args = p.parse_args(argv)
     if args.context % PAGE:
         p.error(f"--context must be a multiple of the page's {PAGE} tokens, got {args.context}")
-    fmts = [paged_format(name) for name in args.formats]  # an unknown name fails here, naming the allowed ones
+    fmts = [paged_format(name) for name in args.formats]
     model, tokenizer, threads = benchkit.load(args)
     corpus = resolve_corpus(dataset=args.dataset)
     cfg = model.config.get_text_config(decoder=True)
