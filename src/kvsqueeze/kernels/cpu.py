@@ -66,10 +66,10 @@ def _cpu_flags() -> str:
 
 # Instruction-set paths, best first.  Each is its own build with explicit target flags (never -march=native), so a
 # build made on one machine runs on any machine with that path's features, and every path can be forced and tested
-# on a machine that has it.  avx512-vnni: key scores by vpdpbusd/vpdpwssd, 16-lane float vectors; avx512-vbmi: the
-# same plus VBMI's vpmultishiftqb, which places a rotated codebook's codes in one instruction per vector (Ice Lake,
-# Zen 4 and later; Cascade Lake has VNNI without it); avx2: by vpmaddwd over codes widened to int16, 8 lanes;
-# generic: the compiler's baseline for the architecture (float path only).
+# on a machine that has it.  avx512-vnni: key scores by vpdpwssd (vpdpbusd for fields past 64 channels), 16-lane
+# float vectors; avx512-vbmi: the same plus VBMI's vpmultishiftqb, which places a rotated codebook's codes in one
+# instruction per vector (Ice Lake, Zen 4 and later; Cascade Lake has VNNI without it); avx2: by vpmaddwd over codes
+# widened to int16, 8 lanes; generic: the compiler's baseline for the architecture (float path only).
 ISAS = ("avx512-vbmi", "avx512-vnni", "avx2", "generic")
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 # GCC's generic tuning splits unaligned 256-bit loads and stores into 128-bit halves, which cost the AVX2 build a

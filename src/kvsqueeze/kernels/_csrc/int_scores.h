@@ -3,14 +3,13 @@
 // The float path converts every key code to float and spends one multiply-add per code and query row; at 2-4 bits
 // that arithmetic, not the bytes read, bounded the decode step.  Here each query row is quantized once (per key
 // group for per-channel keys, whose (scale, zero) fold into it first) and the packed codes are multiplied as bytes:
-//   2/4-bit codes: unsigned code bytes x int8 query (vpdpbusd; AVX2 layouts outside IntLayout::U16: vpmaddubsw +
-//                  vpaddw, int16 pair sums widened by one vpmaddwd per row and query part), one multiply per 64 (32)
-//                  codes of one field and query part, the fields split from the packed bytes by a shift and a mask.
-//                  The query is two int8 parts, round(q / sq) and the remainder in 1/256ths, combined as hi * 256 +
-//                  lo before the lanes are summed: one int8 part alone added ~20% to the 4-bit keys' own score error
-//                  (measured against the reference), two add ~0.1%.  AVX2 (every compiled head_dim): the code bytes
-//                  zero-extended to int16 x one 15-bit query part (vpmaddwd; IntLayout::U16), the same bound in
-//                  fewer instructions;
+//   2/4-bit codes: the fields split from the packed bytes by a shift and a mask, the code bytes zero-extended to
+//                  int16 (vpunpck*bw) x one 15-bit query part (vpdpwssd; AVX2: vpmaddwd; IntLayout::U16), one
+//                  multiply per 32 (16) codes.  Layouts U16 does not cover (AVX-512: fields of more than 64
+//                  channels) take unsigned code bytes x two int8 query parts (vpdpbusd; AVX2: vpmaddubsw + vpaddw),
+//                  round(q / sq) and the remainder in 1/256ths, combined as hi * 256 + lo before the lanes are
+//                  summed: one int8 part alone added ~20% to the 4-bit keys' own score error (measured against the
+//                  reference), two add ~0.1%, one int16 part the same as two;
 //   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
 // Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
 //   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
@@ -37,6 +36,11 @@ inline ivec field_bytes(ivec x, uint8_t mask) {
   return _mm512_and_si512(x, _mm512_set1_epi8(static_cast<char>(mask)));
 }
 inline ivec widen_s16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// code bytes zero-extended to int16: lo = bytes 0-7 of every 128-bit lane, hi = bytes 8-15 (vpunpck*bw work per lane)
+inline void bytes_to_s16(ivec f, ivec& lo, ivec& hi) {
+  lo = _mm512_unpacklo_epi8(f, _mm512_setzero_si512());
+  hi = _mm512_unpackhi_epi8(f, _mm512_setzero_si512());
+}
 
 // out[j] = in[chan[j]] for DT floats by masked lane permutations (the field-major orders draw each output vector
 // from per input vectors): a per-channel key group (32 tokens in the KIVI presets) gathered its scales and zero
@@ -177,14 +181,33 @@ struct IntLayout {
   // AVX2's int16 pair sums of one row: VPT vectors x per fields x 2 codes x the largest code x 128 (|query part|)
   // (AVX-512 sums into int32 lanes)
   static constexpr bool PAIRS_FIT = S16 || IB == 64 || VPT * per * 2 * ((1 << BITS) - 1) * 128 <= 32767;
-  // AVX2, 2/4-bit codes: the code bytes zero-extended to int16 against a 15-bit query (vpmaddwd), one query part:
-  // per 32 codes 2 unpacks shared by the rows and 2 multiplies per row, where the two int8 parts took 2 multiplies
-  // and 2 adds per row, and no widening of pair sums.  Same rounding bound.  At 2 bits the token loop costs the same
-  // either way, but the per-group fold builds one part instead of two: rows of 2-bit codes at head_dim 64 (16
-  // bytes, two tokens per vector) have every 32-token key group re-quantize the query, which was a sixth of a
-  // kivi-2 layer's step.
-  static constexpr bool U16 = IB == 32 && (BITS == 2 || BITS == 4) && TPV <= 2;
+  static constexpr int U = DT / per;  // positions per field
+  // 2/4-bit codes: the code bytes zero-extended to int16 against a 15-bit query (vpmaddwd / vpdpwssd), one query
+  // part: per vector 2 unpacks shared by the rows and 2 multiplies per row, where the two int8 parts took 2
+  // multiplies per row and an add and a shift per row and vector to combine them.  Same rounding bound.  The token
+  // loop costs about the same either way; the gain is the per-group fold, which builds one part instead of two:
+  // per-channel keys re-quantize the query for every 32-token group (the KIVI presets), which was a sixth of a
+  // kivi-2 layer's step on AVX2; on AVX-512 32-token groups made kivi-4's layer 19% slower than 128-token ones with
+  // two parts, and one part made it 8% faster (32k tokens, 1 thread, Zen 4).  AVX-512 builds a field's query
+  // vectors by one 16-bit permutation of a 64-position window (U <= 64).
+  static constexpr bool U16 = (BITS == 2 || BITS == 4) && (IB == 32 ? TPV <= 2 : U <= 64);
 };
+
+#if defined(__AVX512F__)
+// The 16-bit lane permutations of an AVX-512 U16 query: entry [c][h][m] = (64 c + 16 (m / 8) + 8 h + m % 8) mod U,
+// the position (within its field's run) of the code that int16 lane m of unpack half h of vector c holds.
+template <int U, int VPT>
+struct U16Index {
+  alignas(64) int16_t idx[VPT][2][32];
+  constexpr U16Index() : idx{} {
+    for (int c = 0; c < VPT; ++c)
+      for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < 32; ++m) idx[c][h][m] = static_cast<int16_t>((64 * c + 16 * (m / 8) + 8 * h + m % 8) % U);
+  }
+};
+template <int U, int VPT>
+inline constexpr U16Index<U, VPT> u16_index{};
+#endif
 
 // Query rows as integer vectors in the codes' byte order.  Queries come in the float path's field-major order
 // (position k U + u holds channel u per + k, U = RBY units per row), so field k's bytes are one contiguous run:
@@ -196,7 +219,7 @@ struct IntQuery {
   static constexpr int U = DT / L::per;
   alignas(64) int8_t q8[RB][2][L::per][L::VPT][IB];  // [.][0]: round(q / sq), [.][1]: the remainder in 1/256ths
   alignas(64) int16_t q16[RB][DT];
-  alignas(64) int16_t q4[L::U16 ? RB : 1][L::per][L::VPT][2][16];  // U16: field k, vector c, unpack half
+  alignas(64) int16_t q4[L::U16 ? RB : 1][L::per][L::VPT][2][IB / 2];  // U16: field k, vector c, unpack half
   float sq[RB];
 
   static float round_even(float x) { return (x + 12582912.f) - 12582912.f; }  // |x| < 2^22
@@ -263,6 +286,29 @@ struct IntQuery {
             _mm256_store_si256(reinterpret_cast<__m256i*>(q4[r][k][c][0]), half(run));
             _mm256_store_si256(reinterpret_cast<__m256i*>(q4[r][k][c][1]), half(run + 8));
           }
+#elif defined(__AVX512F__)
+        // the row as int16 in field-major order, 16 positions per piece, kept in registers; then each field's
+        // vectors from its window of positions (w0: the first 32, w1: the next 32) by one 16-bit permutation per
+        // unpack half (U16Index: int16 lane m of a half holds byte 16 (m / 8) + 8 h + m % 8 of the vector, i.e.
+        // position k U + (64 c + that byte) mod U)
+        constexpr int NP = DT / 16;
+        __m256i piece[NP];
+        const __m512 sc = _mm512_set1_ps(inv);
+        for (int p = 0; p < NP; ++p)
+          piece[p] = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + 16 * p), sc)));
+        auto pair = [&](int p) {  // pieces p and p + 1 as one vector (a window of 16 positions: p alone)
+          const __m512i lo = _mm512_castsi256_si512(piece[p]);
+          if constexpr (U >= 32) return _mm512_inserti64x4(lo, piece[p + 1], 1);
+          else return lo;
+        };
+        for (int k = 0; k < L::per; ++k) {
+          const int p0 = k * U / 16;
+          const __m512i w0 = pair(p0), w1 = U == 64 ? pair(p0 + 2) : w0;
+          for (int c = 0; c < L::VPT; ++c)
+            for (int h = 0; h < 2; ++h)
+              _mm512_store_si512(q4[r][k][c][h], _mm512_permutex2var_epi16(
+                                                     w0, _mm512_load_si512(u16_index<U, L::VPT>.idx[c][h]), w1));
+        }
 #endif
       } else if constexpr (L::S16) {
 #pragma omp simd
