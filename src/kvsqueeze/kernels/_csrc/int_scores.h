@@ -216,7 +216,7 @@ inline constexpr U16Index<U, VPT> u16_index{};
 template <int DT, int BITS, int RB>
 struct IntQuery {
   using L = IntLayout<DT, BITS>;
-  static constexpr int U = DT / L::per;
+  static constexpr int U = L::U;
   alignas(64) int8_t q8[RB][2][L::per][L::VPT][IB];  // [.][0]: round(q / sq), [.][1]: the remainder in 1/256ths
   alignas(64) int16_t q16[RB][DT];
   alignas(64) int16_t q4[L::U16 ? RB : 1][L::per][L::VPT][2][IB / 2];  // U16: field k, vector c, unpack half
