@@ -58,6 +58,13 @@ inline void store_first(float* p, const vf& v, int n) {
   std::memcpy(p, part, sizeof(float) * n);
 }
 
+#if defined(__AVX512F__)
+// The lanes of a 16-float step at i that lie before end (every lane but in the last step)
+inline __mmask16 lanes_before(int i, int end) {
+  return i + 16 <= end ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
+}
+#endif
+
 // f(std::integral_constant<int, RB>) for a group of rb <= 4 query rows: the loops are compiled per row count
 template <class F>
 inline void with_rows(int rb, F&& f) {
