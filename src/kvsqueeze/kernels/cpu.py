@@ -67,8 +67,9 @@ def _cpu_flags() -> str:
 # Instruction-set paths, best first.  Each is its own build with explicit target flags (never -march=native), so a
 # build made on one machine runs on any machine with that path's features, and every path can be forced and tested
 # on a machine that has it.  avx512-vnni: key scores by vpdpwssd (vpdpbusd for fields past 64 channels), 16-lane
-# float vectors; avx512-vbmi: the same plus VBMI's vpmultishiftqb, which places a rotated codebook's codes in one
-# instruction per vector (Ice Lake, Zen 4 and later; Cascade Lake has VNNI without it); avx2: by vpmaddwd over codes
+# float vectors; avx512-vbmi: the same plus VBMI's vpmultishiftqb and vpermb, which place a rotated codebook's codes
+# in one instruction per vector, so its keys are scored and its values weighted by int16 levels (Ice Lake, Zen 4 and
+# later; Cascade Lake has VNNI without it); avx2: by vpmaddwd over codes
 # widened to int16, 8 lanes; generic: the compiler's baseline for the architecture (float path only).
 ISAS = ("avx512-vbmi", "avx512-vnni", "avx2", "generic")
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
@@ -275,14 +276,18 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
 
 def integer_values(plan: SegmentPlan) -> bool:
     """Whether the selected path weights this plan's stored values by int16 dot products (``_csrc/int_values.h``,
-    the AVX-512 VNNI builds: 2/4-bit per-token codes whose groups span 8 or a multiple of 16 packing units): each
-    query row's weights p * scale are rounded to 16 bits per work item, so results differ from the reference by a
-    bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs) rather than by float32 rounding."""
+    the AVX-512 VNNI builds: 2/4-bit per-token codes whose groups span 8 or a multiple of 16 packing units;
+    ``_csrc/codebook_int.h``: rotated codebook values in decode steps on the avx512-vbmi path, their levels rounded
+    to 12 bits plus sign): each query row's weights p * scale are rounded to 16 bits per work item, so results differ
+    from the reference by a bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share of
+    the format's own error) rather than by float32 rounding."""
     return integer_value_format(plan.value_format)
 
 
 def integer_value_format(fmt: StorageFormat | None) -> bool:
     """:func:`integer_values` for a value storage format."""
+    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and weights, the VBMI build only
+        return selected_isa() == "avx512-vbmi" and fmt.plain and fmt.head_dim in COMPILED_HEAD_DIMS
     if fmt is None or not selected_isa().startswith("avx512") or fmt.kind != "int" or not fmt.plain:
         return False
     if fmt.bits not in (2, 4) or fmt.axis != "token" or fmt.head_dim not in COMPILED_HEAD_DIMS:

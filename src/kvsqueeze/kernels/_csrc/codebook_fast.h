@@ -485,7 +485,7 @@ bool try_cb_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, cons
 // p is multiplied by the tokens' scales in place.
 template <int DT>
 bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, float* p, int64_t p_stride,
-                   int64_t R, float* acc, int64_t acc_stride, float* an, float* sc) {
+                   int64_t R, float* acc, int64_t acc_stride, float* an, float* sc, int16_t* wq) {
   if (sd.f.kind != CODEBOOK || DT % VW) return false;
   const CbRow<DT>* cr = cb_lanes<DT>(sd.f);
   if (!cr) return false;
@@ -507,7 +507,13 @@ bool try_cb_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, floa
 #pragma omp simd
     for (int t = 0; t < n; ++t) pr[t] *= sc[t];
   }
-  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+#if defined(KVSQ_CB_INT)
+  const bool done = try_cb_int_values<DT>(sd, b, h, t0, n, p, p_stride, R, an, wq);
+#else
+  const bool done = false;
+  (void)wq;
+#endif
+  for (int64_t r0 = 0; r0 < (done ? 0 : R); r0 += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     const float* pr = p + r0 * p_stride;
     float* ar = an + r0 * DT;
@@ -530,7 +536,7 @@ bool try_cb_scores(const Side&, int64_t, int64_t, int64_t, int, const float*, in
 }
 template <int DT>
 bool try_cb_values(const Side&, int64_t, int64_t, int64_t, int, float*, int64_t, int64_t, float*, int64_t, float*,
-                   float*) {
+                   float*, int16_t*) {
   return false;
 }
 

@@ -1,5 +1,5 @@
-// Rotated codebook keys scored by int16 dot products (the avx512-vbmi build: VBMI and VNNI; other builds keep the float
-// levels of codebook_fast.h).
+// Rotated codebook keys scored, and values weighted, by int16 dot products (the avx512-vbmi build: VBMI and VNNI; other
+// builds keep the float levels of codebook_fast.h).  Keys first, values below.
 //
 // The float path turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation) and
 // spends one multiply-add per 16 coordinates and query row: rot-3's keys at head_dim 64 took ~33 instructions a token,
@@ -72,13 +72,13 @@ struct CbIntRow {
   }
 };
 
-// The two level tables as int16 (each repeated to 32 entries) and their common scale; ok false for a table that is
-// not finite or all zero
+// The two level tables as int16 (each repeated to 32 entries, the largest magnitude M) and their common scale; ok
+// false for a table that is not finite or all zero
 struct CbIntTables {
   alignas(64) int16_t hi[32], lo[32];
   float lsc = 0.f;
   bool ok = false;
-  CbIntTables(const Side& sd, int D) {
+  CbIntTables(const Side& sd, int D, float M) {
     // a format with one run (nh 0 or D) uses one table for both: the other row is not read
     const int nh = cb_n_hi(sd.f), bh = nh > 0 ? sd.f.bits : cb_bits_lo(sd.f), bl = nh < D ? cb_bits_lo(sd.f) : bh;
     const float* lh = table_row(sd, nh > 0 ? D : D + 1);
@@ -87,7 +87,7 @@ struct CbIntTables {
     for (int e = 0; e < (1 << bh); ++e) m = std::max(m, std::fabs(lh[e])), sum += std::fabs(lh[e]);
     for (int e = 0; e < (1 << bl); ++e) m = std::max(m, std::fabs(ll[e])), sum += std::fabs(ll[e]);
     if (!(m > 0.f) || !std::isfinite(sum)) return;
-    lsc = cb_int_max(D) / m;
+    lsc = M / m;
     for (int e = 0; e < 32; ++e) {
       hi[e] = static_cast<int16_t>(std::nearbyint(lh[e & ((1 << bh) - 1)] * lsc));
       lo[e] = static_cast<int16_t>(std::nearbyint(ll[e & ((1 << bl) - 1)] * lsc));
@@ -185,7 +185,7 @@ bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
   if (DT % 32 || R > 64) return false;
   const CbIntRow<DT>* cr = format_lanes<CbIntRow<DT>>(sd.f);
   if (!cr) return false;
-  const CbIntTables tb(sd, DT);
+  const CbIntTables tb(sd, DT, cb_int_max(DT));
   if (!tb.ok) return false;
   alignas(64) int16_t q16[64 * DT];
   float unit[64];
@@ -196,6 +196,203 @@ bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
     with_rows(rb, [&](auto rows) {
       constexpr int RB = decltype(rows)::value;
       cb_int_scores<DT, RB>(*cr, tb, row0, sd.x.sr, n, q16 + r0 * DT, unit + r0, s + r0 * s_stride, s_stride, scale);
+    });
+  }
+  return true;
+}
+
+// ------------------------------------------------------------------------------------------------------- values
+// Rotated codebook values weighted by int16 dot products (the same build).  The float path (codebook_fast.h
+// cb_values_pass) turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation)
+// and spends one multiply-add per 16 coordinates, token and query row: rot-3's values were ~40% of its kernel time
+// at 8k (one layer, 1 thread, Zen 4).  Here
+// two tokens go together: int32 lane l of vector v is coordinate 16 v + l, its two words tokens t and t + 1.  Both
+// rows' 32-byte windows are loaded into one register, vpermb gives each qword the 3 code bytes of its two
+// coordinates from each row, vpmultishiftqb brings each code to the low bits of its word, vpermt2w reads the two int16
+// level tables (index bit 5 set for the low run's words), and one vpdpwssd per vector and query row adds both
+// tokens' products, weighted by the int32 (wq_t, wq_t+1).  Scratch A/B at 8k, 1 thread: 5% off rot-3's layer.
+// Rounding: levels to int16 at lsc = 4095 / max|level| (systematic: at most max|level| / 8190 per coordinate), each
+// query row's weights w_t = p_t scale_t per work item to wq_t = round(w_t / sw), sw = max_t |w_t| / 32767, as
+// int_values.h does.  An int32 lane adds at most CB_VALUE_RUN tokens' products (each < 32767 x 4095: 16 of them
+// < 2^31) before it is converted and added to the float sums.  Against the float levels |d acc_c| <= max|level| /
+// 8190 sum_t |w_t| + sw / 2 sum_t |L_tc|, tested against the reference in tests/kernels.  A non-finite weight or
+// level table keeps the float path (the reference's non-finite result).
+constexpr float CB_VALUE_LEVEL_MAX = 4095.f;
+constexpr int CB_VALUE_RUN = 16;  // tokens per int32 run: 16 x 32767 x 4095 < 2^31
+
+// Where each word of a row's 16-coordinate vectors finds its code, two tokens at a time, for one format at head_dim
+// DT (runs start at multiples of 8 coordinates, so a qword's two coordinates are of one run and their codes lie in
+// the 3 bytes from win_j of each row).
+template <int DT>
+struct CbPairRow {
+  static constexpr int NV = DT / 16;
+  alignas(64) int8_t perm[NV][64];  // vpermb: bytes 0-2 of qword j <- row t's window bytes win_j.., 3-5 <- row t+1's
+  alignas(64) int8_t ms[NV][64];    // vpmultishiftqb: both bytes of each word <- the bits from its code's offset
+  alignas(64) int16_t sel[NV][32];  // 32 for the low run's words (vpermt2w's second table), else 0
+  int base[NV];                     // vector v's window: row bytes [base, base + 32), masked at the row's end
+  __mmask32 load[NV];
+  bool one = false;  // rows of at most 32 bytes: every vector reads the window from byte 0, loaded once per 2 tokens
+  bool init(const Fmt& f) {
+    const int nh = cb_n_hi(f), bh = f.bits, bl = cb_bits_lo(f);
+    if (nh % 8 || bh < 1 || bh > 5 || (nh < DT && (bl < 1 || bl > 5))) return false;
+    const int hb = nh * bh / 8, bytes = hb + (DT - nh) * bl / 8;
+    one = bytes <= 32;
+    for (int v = 0; v < NV; ++v) {
+      int bit[16];
+      for (int l = 0; l < 16; ++l) {
+        const int c = 16 * v + l;
+        bit[l] = c < nh ? c * bh : 8 * hb + (c - nh) * bl;
+        sel[v][2 * l] = sel[v][2 * l + 1] = c < nh ? 0 : 32;
+      }
+      base[v] = one ? 0 : bit[0] / 8;  // codes ascend with coordinates: lane 0's is the lowest
+      for (int j = 0; j < 8; ++j) {
+        const int win = bit[2 * j] / 8, c1 = 16 * v + 2 * j + 1;
+        const int last = (bit[2 * j + 1] + (c1 < nh ? bh : bl) - 1) / 8;  // the last byte of the two codes
+        for (int m = 0; m < 3; ++m) {
+          int src = win - base[v] + m;
+          if (src > 31) {
+            if (win + m <= last) return false;
+            src = 31;  // a byte past the codes: its bits only repeat the table
+          }
+          perm[v][8 * j + m] = static_cast<int8_t>(src);
+          perm[v][8 * j + 3 + m] = static_cast<int8_t>(src + 32);
+        }
+        perm[v][8 * j + 6] = perm[v][8 * j + 7] = 0;  // (unread)
+        for (int i = 0; i < 2; ++i) {
+          const int c = 16 * v + 2 * j + i, off = bit[2 * j + i] - 8 * win, width = c < nh ? bh : bl;
+          if (off + width > 24) return false;
+          ms[v][8 * j + 4 * i] = ms[v][8 * j + 4 * i + 1] = static_cast<int8_t>(off);  // word 2i: token t
+          ms[v][8 * j + 4 * i + 2] = ms[v][8 * j + 4 * i + 3] = static_cast<int8_t>(off + 24);  // 2i + 1: t + 1
+        }
+      }
+      const int avail = bytes - base[v];  // only the row's own bytes are read (the last row may end the storage)
+      load[v] = avail >= 32 ? ~__mmask32{0} : (__mmask32{1} << avail) - 1;
+    }
+    return true;
+  }
+};
+
+// acc (RB rows of DT floats, natural order) += sw_r sum_t wq_rt L_t (sw_r: the row's factor back to floats) over vectors [v0, v0 + VP) of n tokens from row0
+// (stride sr); wq: RB rows of n2 weights (n2 even, the pad token's weight 0).  ONE: CbPairRow::one.
+template <int DT, int RB, int VP, bool ONE>
+void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
+                        const int16_t* wq, int n2, const float* sw, float* acc, int v0) {
+  const __m512i thi = _mm512_load_si512(tb.hi), tlo = _mm512_load_si512(tb.lo), low5 = _mm512_set1_epi16(31);
+  __m512i ai[RB][VP];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < VP; ++i) ai[r][i] = _mm512_setzero_si512();
+  auto flush = [&]() __attribute__((always_inline)) {
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < VP; ++i) {
+        float* d = acc + r * DT + 16 * (v0 + i);
+        _mm512_storeu_ps(d, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai[r][i]), _mm512_set1_ps(sw[r]), _mm512_loadu_ps(d)));
+        ai[r][i] = _mm512_setzero_si512();
+      }
+  };
+  auto window = [&](const char* a, const char* b, int v) __attribute__((always_inline)) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(cr.load[v], a + cr.base[v])),
+                              _mm256_maskz_loadu_epi8(cr.load[v], b + cr.base[v]), 1);
+  };
+  for (int t = 0; t < n; t += 2) {
+    const char* ra = row0 + t * sr;
+    const char* rb = t + 1 < n ? ra + sr : ra;  // the pad token (weight 0) re-reads token t's codes
+    __builtin_prefetch(ra + PREFETCH_BYTES);
+    __m512i w[RB];
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, wq + r * n2 + t, sizeof(pair));
+      w[r] = _mm512_set1_epi32(pair);
+    }
+    __m512i raw = ONE ? window(ra, rb, 0) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int i = 0; i < VP; ++i) {
+      const int v = v0 + i;
+      if (!ONE) raw = window(ra, rb, v);
+      const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(cr.perm[v]), raw);
+      const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(cr.ms[v]), placed);
+      // every vector through both tables, (c & 31) | sel: a test of its run per vector cost more (branches, and
+      // moves of the sums between registers at their joins)
+      const __m512i lv = _mm512_permutex2var_epi16(
+          thi, _mm512_ternarylogic_epi32(codes, low5, _mm512_load_si512(cr.sel[v]), 0xEA), tlo);
+      for (int r = 0; r < RB; ++r) ai[r][i] = _mm512_dpwssd_epi32(ai[r][i], lv, w[r]);
+    }
+    if ((t + 2) % CB_VALUE_RUN == 0) flush();
+  }
+  if (n % CB_VALUE_RUN) flush();
+}
+
+// Vectors per pass: RB x VP int32 sums, RB weights, two tables and a few temporaries in AVX-512's 32 registers
+template <int DT, int RB>
+constexpr int cb_int_value_vectors() {
+  return std::max(1, std::min(DT / 16, (25 - RB) / RB));
+}
+
+// RB query rows' weights p (p_t scale_t, n per row, stride p_stride) rounded to int16 (wq: RB rows of n2) and their
+// scales sw; the caller has checked that they are finite
+template <int RB>
+void cb_int_value_weights(const float* p, int64_t p_stride, int n, int16_t* wq, int n2, float* sw) {
+  for (int r = 0; r < RB; ++r) {
+    const float* pr = p + r * p_stride;
+    __m512 mx = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes_before(t, n), pr + t)));
+    const float wmax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(wmax > 0.f ? 32767.f / wmax : 0.f);
+    int16_t* q = wq + r * n2;
+    for (int t = 0; t < n; t += 16) {  // |w inv| <= 32767: the saturating narrow never saturates
+      const __mmask16 m = lanes_before(t, n);
+      _mm256_mask_storeu_epi16(q + t, m, _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(
+                                             _mm512_maskz_loadu_ps(m, pr + t), inv))));
+    }
+    if (n2 > n) q[n] = 0;
+    sw[r] = wmax / 32767.f;
+  }
+}
+
+template <int DT, int RB, bool ONE>
+void cb_int_values(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
+                   const float* p, int64_t p_stride, int16_t* wq, float* acc) {
+  const int n2 = n + (n & 1);
+  float sw[RB];
+  cb_int_value_weights<RB>(p, p_stride, n, wq, n2, sw);
+  for (int r = 0; r < RB; ++r) sw[r] /= tb.lsc;  // one factor per row: weights' and levels' scales
+  // the fewest passes over the tokens, of balanced sizes
+  constexpr int VP = cb_int_value_vectors<DT, RB>(), NV = DT / 16;
+  const int passes = (NV + VP - 1) / VP;
+  for (int k = 0, v = 0; k < passes; ++k) {
+    const int size = NV / passes + (k < NV % passes);
+    [&]<int... S>(std::integer_sequence<int, S...>) {
+      ((size == S + 1 ? cb_int_values_pass<DT, RB, S + 1, ONE>(cr, tb, row0, sr, n, wq, n2, sw, acc, v) : void()),
+       ...);
+    }(std::make_integer_sequence<int, VP>{});
+    v += size;
+  }
+}
+
+// Hook for try_cb_values: acc (R rows of DT floats, natural order) += sum_t p_t cb[codes_t] over a CODEBOOK side's
+// tokens [t0, t0 + n) (p: probabilities times the tokens' scales, stride p_stride); wq: 4 x (n + 2) int16 of
+// scratch.  False (nothing written) where the layout, the tables or the weights keep the float path.
+template <int DT>
+bool try_cb_int_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* p, int64_t p_stride,
+                       int64_t R, float* acc, int16_t* wq) {
+  if (DT % 16 || n <= 0) return false;
+  const CbPairRow<DT>* cr = format_lanes<CbPairRow<DT>>(sd.f);
+  if (!cr) return false;
+  const CbIntTables tb(sd, DT, CB_VALUE_LEVEL_MAX);
+  if (!tb.ok) return false;
+  __m512 bad = _mm512_setzero_ps();  // 0 x w is NaN only where w is not finite
+  for (int64_t r = 0; r < R; ++r)
+    for (int t = 0; t < n; t += 16)
+      bad = _mm512_add_ps(bad, _mm512_mul_ps(_mm512_setzero_ps(),
+                                             _mm512_maskz_loadu_ps(lanes_before(t, n), p + r * p_stride + t)));
+  if (!std::isfinite(_mm512_reduce_add_ps(bad))) return false;
+  const char* row0 = sd.x.row(b, h, t0);
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
+    with_rows(rb, [&](auto rows) {
+      constexpr int RB = decltype(rows)::value;
+      if (cr->one) cb_int_values<DT, RB, true>(*cr, tb, row0, sd.x.sr, n, p + r0 * p_stride, p_stride, wq, acc + r0 * DT);
+      else cb_int_values<DT, RB, false>(*cr, tb, row0, sd.x.sr, n, p + r0 * p_stride, p_stride, wq, acc + r0 * DT);
     });
   }
   return true;

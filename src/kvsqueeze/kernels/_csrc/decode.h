@@ -21,7 +21,7 @@ struct Ctx {
 
 struct Scratch {
   std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc, wt;
-  std::vector<int16_t> wq;  // int_values.h: 4 rows' int16 weights per group
+  std::vector<int16_t> wq;  // int_values.h: 4 rows' int16 weights per group (codebook_int.h: per row)
   Scratch(int D, int64_t R, int64_t chunk)
       : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
         pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16) {
@@ -120,7 +120,7 @@ bool segment_values(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
 #endif
   fast_v = fast_v ||
            (DT > 0 && (try_fast_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, vpm.unit_group.data(), tp) ||
-                       try_cb_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A)));
+                       try_cb_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A, sc.wq.data())));
   for (int u0 = 0; u0 < (fast_v ? 0 : n); u0 += TILE) {
     const int nt = std::min(TILE, n - u0);
     int64_t vs;
