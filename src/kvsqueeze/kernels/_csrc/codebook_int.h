@@ -205,12 +205,12 @@ bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
 // Rotated codebook values weighted by int16 dot products (the same build).  The float path (codebook_fast.h
 // cb_values_pass) turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation)
 // and spends one multiply-add per 16 coordinates, token and query row: rot-3's values were ~40% of its kernel time
-// at 8k (one layer, 1 thread, Zen 4).  Here
-// two tokens go together: int32 lane l of vector v is coordinate 16 v + l, its two words tokens t and t + 1.  Both
-// rows' 32-byte windows are loaded into one register, vpermb gives each qword the 3 code bytes of its two
-// coordinates from each row, vpmultishiftqb brings each code to the low bits of its word, vpermt2w reads the two int16
-// level tables (index bit 5 set for the low run's words), and one vpdpwssd per vector and query row adds both
-// tokens' products, weighted by the int32 (wq_t, wq_t+1).  Scratch A/B at 8k, 1 thread: 5% off rot-3's layer.
+// at 8k (one layer, 1 thread, Zen 4).  Here two tokens go together: int32 lane l of vector v is coordinate 16 v + l,
+// its two words tokens t and t + 1.  Both rows' 32-byte windows are loaded into one register, vpermb gives each qword
+// the 3 code bytes of its two coordinates from each row, vpmultishiftqb brings each code to the low bits of its word,
+// vpermt2w reads the two int16 level tables (index bit 5 set for the low run's words), and one vpdpwssd per vector
+// and query row adds both tokens' products, weighted by the int32 (wq_t, wq_t+1).  Scratch A/B at 8k, 1 thread: 5%
+// off rot-3's layer.
 // Rounding: levels to int16 at lsc = 4095 / max|level| (systematic: at most max|level| / 8190 per coordinate), each
 // query row's weights w_t = p_t scale_t per work item to wq_t = round(w_t / sw), sw = max_t |w_t| / 32767, as
 // int_values.h does.  An int32 lane adds at most CB_VALUE_RUN tokens' products (each < 32767 x 4095: 16 of them
@@ -272,8 +272,9 @@ struct CbPairRow {
   }
 };
 
-// acc (RB rows of DT floats, natural order) += sw_r sum_t wq_rt L_t (sw_r: the row's factor back to floats) over vectors [v0, v0 + VP) of n tokens from row0
-// (stride sr); wq: RB rows of n2 weights (n2 even, the pad token's weight 0).  ONE: CbPairRow::one.
+// acc (RB rows of DT floats, natural order) += sw_r sum_t wq_rt L_t (sw_r: the row's factor back to floats) over
+// vectors [v0, v0 + VP) of n tokens from row0 (stride sr); wq: RB rows of n2 weights (n2 even, the pad token's weight
+// 0).  ONE: CbPairRow::one.
 template <int DT, int RB, int VP, bool ONE>
 void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
                         const int16_t* wq, int n2, const float* sw, float* acc, int v0) {
@@ -391,8 +392,9 @@ bool try_cb_int_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     with_rows(rb, [&](auto rows) {
       constexpr int RB = decltype(rows)::value;
-      if (cr->one) cb_int_values<DT, RB, true>(*cr, tb, row0, sd.x.sr, n, p + r0 * p_stride, p_stride, wq, acc + r0 * DT);
-      else cb_int_values<DT, RB, false>(*cr, tb, row0, sd.x.sr, n, p + r0 * p_stride, p_stride, wq, acc + r0 * DT);
+      const float* pr = p + r0 * p_stride;
+      if (cr->one) cb_int_values<DT, RB, true>(*cr, tb, row0, sd.x.sr, n, pr, p_stride, wq, acc + r0 * DT);
+      else cb_int_values<DT, RB, false>(*cr, tb, row0, sd.x.sr, n, pr, p_stride, wq, acc + r0 * DT);
     });
   }
   return true;
