@@ -260,8 +260,8 @@ def integer_scores(plan: SegmentPlan) -> bool:
 def integer_key_format(fmt: StorageFormat | None) -> bool:
     """:func:`integer_scores` for a key storage format."""
     isa = selected_isa()
-    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and query, the VBMI build only
-        return isa == "avx512-vbmi" and fmt.plain and fmt.head_dim in COMPILED_HEAD_DIMS
+    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and query
+        return _integer_rotated(fmt)
     if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
         return False
     if fmt.head_dim not in COMPILED_HEAD_DIMS:  # other head_dims take the kernel's generic float path
@@ -272,6 +272,12 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
     if not (cb % rby == 0 or rby % cb == 0) or (cb > rby and cb // rby > min(vw, 8)):
         return False
     return fmt.group == fmt.head_dim if fmt.axis == "token" else fmt.group % vw == 0
+
+
+def _integer_rotated(fmt: StorageFormat) -> bool:
+    """Whether the selected path reads a rotated codebook side by int16 levels: the VBMI build only
+    (``_csrc/codebook_int.h``, keys and values alike)."""
+    return selected_isa() == "avx512-vbmi" and fmt.plain and fmt.head_dim in COMPILED_HEAD_DIMS
 
 
 def integer_values(plan: SegmentPlan) -> bool:
@@ -286,8 +292,8 @@ def integer_values(plan: SegmentPlan) -> bool:
 
 def integer_value_format(fmt: StorageFormat | None) -> bool:
     """:func:`integer_values` for a value storage format."""
-    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and weights, the VBMI build only
-        return selected_isa() == "avx512-vbmi" and fmt.plain and fmt.head_dim in COMPILED_HEAD_DIMS
+    if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and weights
+        return _integer_rotated(fmt)
     if fmt is None or not selected_isa().startswith("avx512") or fmt.kind != "int" or not fmt.plain:
         return False
     if fmt.bits not in (2, 4) or fmt.axis != "token" or fmt.head_dim not in COMPILED_HEAD_DIMS:

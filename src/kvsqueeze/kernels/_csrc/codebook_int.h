@@ -26,6 +26,19 @@ namespace {
 // The largest int16 magnitude of levels and query values at head_dim DT: (DT / 8) M^2 < 2^31 (see above)
 constexpr float cb_int_max(int DT) { return DT <= 64 ? 16383.f : DT <= 128 ? 11585.f : 8191.f; }
 
+// A rotated format's two runs as the int16 paths read them at head_dim D: coordinate c's code starts at bit(c) of a
+// row and is width(c) bits wide; ok false where they refuse the layout (a high run that does not end at a multiple of
+// 8 coordinates, or a width outside 1-5 bits)
+struct CbRuns {
+  int nh, bh, bl, hb, bytes;
+  bool ok;
+  CbRuns(const Fmt& f, int D)
+      : nh(cb_n_hi(f)), bh(f.bits), bl(cb_bits_lo(f)), hb(nh * bh / 8), bytes(hb + (D - nh) * bl / 8),
+        ok(nh % 8 == 0 && bh >= 1 && bh <= 5 && (nh >= D || (bl >= 1 && bl <= 5))) {}
+  int bit(int c) const { return c < nh ? c * bh : 8 * hb + (c - nh) * bl; }
+  int width(int c) const { return c < nh ? bh : bl; }
+};
+
 // Where each word of a row's 32-coordinate vectors finds its code, for one format at head_dim DT.  Word k of vector w
 // is rotated coordinate 32 w + k (natural order); qword j holds words 4j..4j+3, whose codes lie in one run (runs
 // start at multiples of 8 coordinates) and in the 8 bytes from win_j.
@@ -39,16 +52,15 @@ struct CbIntRow {
   int run[NW];                      // 0: all words high-run, 1: all low-run (one vpermw, no select), 2: mixed
   __mmask64 load[NW];
   bool init(const Fmt& f) {
-    const int nh = cb_n_hi(f), bh = f.bits, bl = cb_bits_lo(f);
-    if (nh % 8 || bh < 1 || bh > 5 || (nh < DT && (bl < 1 || bl > 5))) return false;
-    const int hb = nh * bh / 8, bytes = hb + (DT - nh) * bl / 8;
+    const CbRuns rn(f, DT);
+    if (!rn.ok) return false;
     for (int w = 0; w < NW; ++w) {
       int bit[32], lo_words = 0;
       for (int k = 0; k < 32; ++k) {
         const int c = 32 * w + k;
-        bit[k] = c < nh ? c * bh : 8 * hb + (c - nh) * bl;
-        sel[w][k] = c < nh ? 0 : 32;
-        lo_words += c >= nh;
+        bit[k] = rn.bit(c);
+        sel[w][k] = c < rn.nh ? 0 : 32;
+        lo_words += c >= rn.nh;
       }
       run[w] = lo_words == 0 ? 0 : lo_words == 32 ? 1 : 2;
       base[w] = bit[0] / 8;  // codes ascend with coordinates: word 0's is the lowest
@@ -60,12 +72,12 @@ struct CbIntRow {
           perm[w][8 * j + m] = static_cast<int8_t>(src);
         }
         for (int i = 0; i < 4; ++i) {
-          const int off = bit[4 * j + i] - 8 * win, width = 32 * w + 4 * j + i < nh ? bh : bl;
-          if (off + width > 64) return false;
+          const int off = bit[4 * j + i] - 8 * win;
+          if (off + rn.width(32 * w + 4 * j + i) > 64) return false;
           ms[w][8 * j + 2 * i] = ms[w][8 * j + 2 * i + 1] = static_cast<int8_t>(off);
         }
       }
-      const int avail = bytes - base[w];  // only the row's own bytes are read (the last row may end the storage)
+      const int avail = rn.bytes - base[w];  // only the row's own bytes are read (the last row may end the storage)
       load[w] = avail >= 64 ? ~__mmask64{0} : (__mmask64{1} << avail) - 1;
     }
     return true;
@@ -233,21 +245,20 @@ struct CbPairRow {
   __mmask32 load[NV];
   bool one = false;  // rows of at most 32 bytes: every vector reads the window from byte 0, loaded once per 2 tokens
   bool init(const Fmt& f) {
-    const int nh = cb_n_hi(f), bh = f.bits, bl = cb_bits_lo(f);
-    if (nh % 8 || bh < 1 || bh > 5 || (nh < DT && (bl < 1 || bl > 5))) return false;
-    const int hb = nh * bh / 8, bytes = hb + (DT - nh) * bl / 8;
-    one = bytes <= 32;
+    const CbRuns rn(f, DT);
+    if (!rn.ok) return false;
+    one = rn.bytes <= 32;
     for (int v = 0; v < NV; ++v) {
       int bit[16];
       for (int l = 0; l < 16; ++l) {
         const int c = 16 * v + l;
-        bit[l] = c < nh ? c * bh : 8 * hb + (c - nh) * bl;
-        sel[v][2 * l] = sel[v][2 * l + 1] = c < nh ? 0 : 32;
+        bit[l] = rn.bit(c);
+        sel[v][2 * l] = sel[v][2 * l + 1] = c < rn.nh ? 0 : 32;
       }
       base[v] = one ? 0 : bit[0] / 8;  // codes ascend with coordinates: lane 0's is the lowest
       for (int j = 0; j < 8; ++j) {
-        const int win = bit[2 * j] / 8, c1 = 16 * v + 2 * j + 1;
-        const int last = (bit[2 * j + 1] + (c1 < nh ? bh : bl) - 1) / 8;  // the last byte of the two codes
+        const int win = bit[2 * j] / 8;
+        const int last = (bit[2 * j + 1] + rn.width(16 * v + 2 * j + 1) - 1) / 8;  // the last byte of the two codes
         for (int m = 0; m < 3; ++m) {
           int src = win - base[v] + m;
           if (src > 31) {
@@ -259,13 +270,13 @@ struct CbPairRow {
         }
         perm[v][8 * j + 6] = perm[v][8 * j + 7] = 0;  // (unread)
         for (int i = 0; i < 2; ++i) {
-          const int c = 16 * v + 2 * j + i, off = bit[2 * j + i] - 8 * win, width = c < nh ? bh : bl;
-          if (off + width > 24) return false;
+          const int off = bit[2 * j + i] - 8 * win;
+          if (off + rn.width(16 * v + 2 * j + i) > 24) return false;
           ms[v][8 * j + 4 * i] = ms[v][8 * j + 4 * i + 1] = static_cast<int8_t>(off);  // word 2i: token t
           ms[v][8 * j + 4 * i + 2] = ms[v][8 * j + 4 * i + 3] = static_cast<int8_t>(off + 24);  // 2i + 1: t + 1
         }
       }
-      const int avail = bytes - base[v];  // only the row's own bytes are read (the last row may end the storage)
+      const int avail = rn.bytes - base[v];  // only the row's own bytes are read (the last row may end the storage)
       load[v] = avail >= 32 ? ~__mmask32{0} : (__mmask32{1} << avail) - 1;
     }
     return true;
@@ -319,7 +330,7 @@ void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const ch
     }
     if ((t + 2) % CB_VALUE_RUN == 0) flush();
   }
-  if (n % CB_VALUE_RUN) flush();
+  if (n2 % CB_VALUE_RUN) flush();  // (the loop's last pair ends at n2)
 }
 
 // Vectors per pass: RB x VP int32 sums, RB weights, two tables and a few temporaries in AVX-512's 32 registers
