@@ -64,22 +64,52 @@ def kernel_and_own_error(spec: str, head_dim: int) -> tuple[LayerKV, torch.Tenso
     """A layer of preset ``spec`` over 600 random tokens (599 stored, one new; batch 2, 2 KV heads, 6 query heads,
     seed ``head_dim``) and one decode step's outputs: the layer, the C++ kernel's largest difference from the
     reference over the same codes, and the reference's own from exact attention over the unquantized K/V."""
-    from kvsqueeze.kernels import cpu
     from kvsqueeze.spec import preset
 
     g = torch.Generator().manual_seed(head_dim)
     k = torch.randn(2, 2, 600, head_dim, generator=g) * 2 + 0.5
     v = torch.randn(2, 2, 600, head_dim, generator=g)
-    layer = LayerKV(preset(spec))
-    layer.stage(k[:, :, :599], v[:, :, :599])
+    return _step_errors(LayerKV(preset(spec)), k, v, g, 6)
+
+
+def exact_keys_kernel_and_own_error(value, head_dim: int, n: int, q_heads: int,
+                                    seed: int) -> tuple[LayerKV, torch.Tensor, torch.Tensor]:
+    """:func:`kernel_and_own_error` with exact keys and values stored as ``value`` (a QuantSpec), so that only the
+    values are rounded: ``n`` random tokens (n - 1 stored, one new; batch 2, 2 KV heads, ``q_heads`` query heads;
+    per-token value magnitudes up to 3), seed ``seed``."""
+    from kvsqueeze.spec import CacheSpec, QuantSpec
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(2, 2, n, head_dim, generator=g) * 2 + 0.5
+    v = torch.randn(2, 2, n, head_dim, generator=g) * torch.rand(1, 1, n, 1, generator=g) * 3
+    return _step_errors(LayerKV(CacheSpec(key=QuantSpec(fmt="none"), value=value)), k, v, g, q_heads)
+
+
+def _step_errors(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, g: torch.Generator,
+                 q_heads: int) -> tuple[LayerKV, torch.Tensor, torch.Tensor]:
+    """Store all but the last of the tokens ``k``/``v`` in ``layer`` and stage the last; one decode step of a query
+    drawn from ``g``: the layer, the C++ kernel's largest difference from the reference and the reference's own
+    from exact attention."""
+    from kvsqueeze.kernels import cpu
+
+    n, head_dim = k.shape[2], k.shape[3]
+    layer.stage(k[:, :, : n - 1], v[:, :, : n - 1])
     layer.commit()
-    layer.stage(k[:, :, 599:], v[:, :, 599:])
-    q = torch.randn(2, 6, 1, head_dim, generator=g)
+    layer.stage(k[:, :, n - 1:], v[:, :, n - 1:])
+    q = torch.randn(2, q_heads, 1, head_dim, generator=g)
     scale = head_dim ** -0.5
     exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
     ref = reference.attend(q, layer.plan(), None, scale)
     got = cpu.attend(q, layer.plan(), None, scale)
     return layer, (got - ref).abs().max(), (ref - exact).abs().max()
+
+
+def kernel_rounds(plan) -> bool:
+    """Whether the selected C++ path rounds this plan's keys or values to integers (results within INT_DOT_ATOL of
+    the reference rather than float32 rounding)."""
+    from kvsqueeze.kernels import cpu
+
+    return cpu.integer_scores(plan) or cpu.integer_values(plan)
 
 
 def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new: int,
@@ -89,8 +119,7 @@ def assert_matches_reference(attend: Callable, layer: LayerKV, q_heads: int, new
     if atol is None:
         from kvsqueeze.kernels import cpu
 
-        integer = cpu.integer_scores(layer.plan()) or cpu.integer_values(layer.plan())
-        atol = INT_DOT_ATOL if attend is cpu.attend and integer else 5e-5
+        atol = INT_DOT_ATOL if attend is cpu.attend and kernel_rounds(layer.plan()) else 5e-5
     q = query_for(layer, q_heads, new)
     ref = reference.attend(q, layer.plan(), mask, 0.125)
     got = attend(q, layer.plan(), mask, 0.125)

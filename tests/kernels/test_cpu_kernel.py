@@ -17,6 +17,7 @@ from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import (
     assert_matches_reference,
+    exact_keys_kernel_and_own_error,
     filled_layer,
     kernel_and_own_error,
     query_for,
@@ -150,27 +151,13 @@ def test_integer_values_add_a_small_share_of_the_quantization_error(bits, group,
     0.71%: 4-bit values in groups of 16 or 32 at head_dim 64, peaked attention); where the path
     serves the layout (kernels/cpu.py integer_values says so) the weights' 16-bit rounding is visible, elsewhere
     the result is the float path's (float32 rounding)."""
-    from kvsqueeze.cache.layer import LayerKV
-    from kvsqueeze.spec import CacheSpec, QuantSpec
+    from kvsqueeze.spec import QuantSpec
 
     if group > head_dim:
         pytest.skip("a group wider than the head")
-    g = torch.Generator().manual_seed(head_dim + bits)
-    n = 602  # 601 stored tokens: work items of 256, 256 and 89, whose last pair of tokens is padded
-    k = torch.randn(2, 2, n, head_dim, generator=g) * 2 + 0.5
-    v = torch.randn(2, 2, n, head_dim, generator=g) * torch.rand(1, 1, n, 1, generator=g) * 3
-    spec = CacheSpec(key=QuantSpec(fmt="none"), value=QuantSpec(fmt="int", bits=bits, axis="token", group=group))
-    layer = LayerKV(spec)
-    layer.stage(k[:, :, : n - 1], v[:, :, : n - 1])
-    layer.commit()
-    layer.stage(k[:, :, n - 1:], v[:, :, n - 1:])
-    q = torch.randn(2, q_heads, 1, head_dim, generator=g)
-    scale = head_dim ** -0.5
-    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    ref = reference.attend(q, layer.plan(), None, scale)
-    got = cpu.attend(q, layer.plan(), None, scale)
-    own = (ref - exact).abs().max()
-    diff = (got - ref).abs().max()
+    # 601 stored tokens: work items of 256, 256 and 89, whose last pair of tokens is padded
+    layer, diff, own = exact_keys_kernel_and_own_error(QuantSpec(fmt="int", bits=bits, axis="token", group=group),
+                                                       head_dim, n=602, q_heads=q_heads, seed=head_dim + bits)
     assert diff <= 0.01 * own
     integer = cpu.integer_values(layer.plan())
     assert integer == (served and cpu.selected_isa().startswith("avx512"))

@@ -12,8 +12,10 @@ from kvsqueeze.kernels import cpu, reference
 from ._helpers import (
     INT_DOT_ATOL,
     assert_matches_reference,
+    exact_keys_kernel_and_own_error,
     filled_layer,
     kernel_and_own_error,
+    kernel_rounds,
     padding_mask,
     query_for,
 )
@@ -82,9 +84,7 @@ def test_scores_come_from_the_codes():
     layer.store.blocks[0].parts["k.codes"][0, 0, 3, 0] ^= 0xFF
     after = cpu.attend(q, layer.plan(), None, 0.125)
     assert not torch.allclose(before, after)
-    integer = cpu.integer_scores(layer.plan()) or cpu.integer_values(layer.plan())
-    torch.testing.assert_close(after, reference.attend(q, layer.plan(), None, 0.125),
-                               atol=INT_DOT_ATOL if integer else 5e-5, rtol=0)
+    assert_matches_reference(cpu.attend, layer, 1, 1)  # (the same query as q)
 
 
 def test_sign_sketch_uses_the_reference():
@@ -149,7 +149,7 @@ def test_fused_codebook_path_agrees_with_generic_build(spec):
     q = query_for(layer, 9, 1)
     with cpu.use_isa("generic"):
         want = cpu.attend(q, layer.plan(), None, 0.125)
-    atol = INT_DOT_ATOL if cpu.integer_scores(layer.plan()) else 2e-5
+    atol = INT_DOT_ATOL if kernel_rounds(layer.plan()) else 2e-5
     torch.testing.assert_close(cpu.attend(q, layer.plan(), None, 0.125), want, atol=atol, rtol=0)
 
 
@@ -179,23 +179,10 @@ def test_integer_rotated_values_add_a_small_share_of_the_quantization_error(bits
     unquantized K/V the kernel's error is the reference's own plus at most 1% of it; kernels/cpu.py integer_values
     says which path does so, and the rounding is visible exactly there (measured 2.3e-4 to 9.2e-4 on these outputs,
     |o| <= 4, at most 0.25% of the format's own error; the float levels <= 5e-6)."""
-    from kvsqueeze.cache.layer import LayerKV
-    from kvsqueeze.spec import CacheSpec, QuantSpec
+    from kvsqueeze.spec import QuantSpec
 
-    g = torch.Generator().manual_seed(head_dim + int(bits * 8))
-    n = 600
-    k = torch.randn(2, 2, n, head_dim, generator=g) * 2 + 0.5
-    v = torch.randn(2, 2, n, head_dim, generator=g) * torch.rand(1, 1, n, 1, generator=g) * 3
-    layer = LayerKV(CacheSpec(key=QuantSpec(fmt="none"), value=QuantSpec(fmt="rot", bits=bits, axis="token")))
-    layer.stage(k[:, :, : n - 1], v[:, :, : n - 1])
-    layer.commit()
-    layer.stage(k[:, :, n - 1:], v[:, :, n - 1:])
-    q = torch.randn(2, 6, 1, head_dim, generator=g)
-    scale = head_dim ** -0.5
-    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-    ref = reference.attend(q, layer.plan(), None, scale)
-    got = cpu.attend(q, layer.plan(), None, scale)
-    own, diff = (ref - exact).abs().max(), (got - ref).abs().max()
+    layer, diff, own = exact_keys_kernel_and_own_error(QuantSpec(fmt="rot", bits=bits, axis="token"), head_dim,
+                                                       n=600, q_heads=6, seed=head_dim + int(bits * 8))
     assert diff <= 0.01 * own
     integer = cpu.integer_values(layer.plan())
     assert integer == (cpu.selected_isa() == "avx512-vbmi")
