@@ -3,10 +3,13 @@ decodes every block back to the original space and attends to it (same tolerance
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvsqueeze.adapter import cache_kwargs
+from kvsqueeze.cache.plan import Memo
 from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import (
@@ -169,6 +172,40 @@ def test_integer_rotated_keys_add_a_small_share_of_the_quantization_error(spec, 
         assert diff > 2e-5  # the kernel really rounded (the mirror agrees with codebook_int.h)
     else:
         assert diff <= 1e-5
+
+
+def _rows_apart(plan, pad: int):
+    """``plan`` with every packed segment's codes moved into storage ``pad`` bytes wider per row (a strided view)."""
+    def wide(parts):
+        codes = parts["codes"]
+        store = torch.zeros(*codes.shape[:-1], codes.shape[-1] + pad, dtype=codes.dtype)
+        store[..., : codes.shape[-1]] = codes
+        return {**parts, "codes": store[..., : codes.shape[-1]]}
+
+    def moved(segs):
+        return tuple(dataclasses.replace(s, k_parts=wide(s.k_parts), v_parts=wide(s.v_parts)) if s.k_parts else s
+                     for s in segs)
+
+    return dataclasses.replace(plan, before=moved(plan.before), stored=moved(plan.stored), after=moved(plan.after),
+                               stored_memo=Memo())
+
+
+@pytest.mark.parametrize("spec,head_dim", [("rot-3", 64), ("k4r-v4r", 64), ("k2.5r-v3r-w32-s2", 32), ("rot-3", 128),
+                                           ("k4r-v4r", 128), ("rot-3", 256)])
+@pytest.mark.parametrize("pad", [0, 9, 48])
+def test_rows_apart_in_memory(spec, head_dim, pad):
+    """Codes whose rows lie ``pad`` bytes apart (a view into wider storage) give the cache's own outputs bit for bit.
+    The avx512-vbmi key path reads two rows per vector: one load where row t + 1's codes lie within 64 bytes of row
+    t's window, two loads and an insert otherwise, one window for every vector where rows hold at most 32 bytes;
+    these cases take each way (rot-3 at 64: 23-byte rows; k4r at 64: 32; rot-3 at 128: 46; k4r at 128: 64)."""
+    layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=head_dim, stored=300, new=1, steps=2)
+    plan = layer.plan()
+    apart = _rows_apart(plan, pad)
+    assert sum(s.k_parts["codes"].stride(2) == s.k_parts["codes"].shape[-1] + pad for s in apart.segments
+               if s.k_parts) >= 1
+    assert cpu.supports(apart)
+    q = query_for(layer, 6, 1)
+    assert torch.equal(cpu.attend(q, apart, None, 0.125), cpu.attend(q, plan, None, 0.125))
 
 
 @pytest.mark.parametrize("bits", [1.5, 2.5, 3, 3.5, 4])

@@ -5,9 +5,9 @@ namespace {
 
 inline const float* table_row(const Side& sd, int r) { return reinterpret_cast<const float*>(sd.zero.row(0, 0, r)); }
 
-// A rotated format's lane layout (Row: CbRow or CbIntRow, built by Row::init), kept per thread for the last four
-// formats by their widths and split (building one cost as much as a dozen tokens per work item); null where init
-// refuses the format
+// A rotated format's lane layout (Row: CbRow, CbKeyPairRow or CbPairRow, built by Row::init), kept per thread for the
+// last four formats by their widths and split (building one cost as much as a dozen tokens per work item); null where
+// init refuses the format
 template <class Row>
 const Row* format_lanes(const Fmt& f) {
   struct Slot {

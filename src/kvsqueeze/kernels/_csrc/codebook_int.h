@@ -3,20 +3,23 @@
 //
 // The float path turns each 16 coordinates' codes into float levels (a broadcast, a multishift, a lane permutation) and
 // spends one multiply-add per 16 coordinates and query row: rot-3's keys at head_dim 64 took ~33 instructions a token,
-// bound by Zen 4's two shuffle pipes.  Here each 32 coordinates' codes become int16 levels in three shuffles: vpermb
-// gives every qword the 8 code bytes its four codes lie in, vpmultishiftqb brings each code to the low bits of its
-// word, and vpermw reads the level table (repeated to 32 entries, so the bits above a code select the same level; a
-// vector holding both runs takes vpermt2w, its index bit 5 set for the low run's lanes).  One vpdpwssd per 32
-// coordinates and query row multiplies and adds pairs into int32 lanes; a block of VW tokens is reduced to VW scores at
-// once, as cb_scores does.
+// bound by Zen 4's two shuffle pipes.  Here a vector holds 16 coordinates of two tokens (one in each half) and their
+// codes become int16 levels in three shuffles: vpermb gives every qword the 8 code bytes its four codes lie in,
+// vpmultishiftqb brings each code to the low bits of its word, and vpermw reads the level table (repeated to 32
+// entries, so the bits above a code select the same level; a vector holding both runs takes vpermt2w, its index bit 5
+// set for the low run's lanes).  One vpdpwssd per vector and query row multiplies and adds pairs into int32 lanes, each
+// token's in its own half: the first level of the token reduction costs nothing, and a block of VW tokens is reduced
+// to VW scores in registers.  Scratch A/B at 8k, 1 thread (Zen 4): rot-3's layer 0.87-0.89x of one token per
+// 32-coordinate vector (whose first level took two lane permutations and an add per two tokens and row, and whose
+// partial sums went through memory).
 // Rounding: levels to int16 at lsc = M / max|level| (the tables are fixed per layer: that error is systematic, at most
 // max|level| / 2M per coordinate: ~1/1400 of a 3-bit codebook's own rms error at head_dim 256), each query row per work
 // item at qsc = M / max|q'|, M = cb_int_max(DT): 16383 at head_dim 64, 11585 at 128, 8191 at 256.  An int32 lane sums
-// DT / 16 products and the first pairwise level of the token reduction two lanes, DT / 8 products of at most M^2 each,
-// < 2^31; the sums are converted to float there, before the lanes of a token add up to its dot product. s_t = scale_t *
-// dot_t / (qsc lsc); against the float levels |ds_t| <= scale_t (sum_c |L_tc| / (2 qsc lsc) + sum_c |q'_c| max|level| /
-// 2M), tested against the reference in tests/kernels.  A query row with a non-finite value, or a level table that is
-// not finite, keeps the float path (the reference's non-finite result).
+// DT / 8 products (two coordinates from each of DT / 16 vectors) of at most M^2 each, < 2^31; the sums are converted
+// to float there, before the lanes of a token add up to its dot product.  s_t = scale_t * dot_t / (qsc lsc); against
+// the float levels |ds_t| <= scale_t (sum_c |L_tc| / (2 qsc lsc) + sum_c |q'_c| max|level| / 2M), tested against the
+// reference in tests/kernels.  A query row with a non-finite value, or a level table that is not finite, keeps the
+// float path (the reference's non-finite result).
 #pragma once
 
 #if defined(__AVX512VBMI__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -39,48 +42,93 @@ struct CbRuns {
   int width(int c) const { return c < nh ? bh : bl; }
 };
 
-// Where each word of a row's 32-coordinate vectors finds its code, for one format at head_dim DT.  Word k of vector w
-// is rotated coordinate 32 w + k (natural order); qword j holds words 4j..4j+3, whose codes lie in one run (runs
-// start at multiples of 8 coordinates) and in the 8 bytes from win_j.
+// Where each word of a pair of rows' 16-coordinate vectors finds its code, for one format at head_dim DT.  A vector
+// holds two tokens side by side: words 0-15 are token t's coordinates 16 v .. 16 v + 15, words 16-31 token t + 1's, so
+// one vpdpwssd against the query's 16 coordinates (in both halves) leaves each token's partial sums in its own half,
+// the layout the first level of the token reduction produced when a vector held one token's 32 coordinates (the
+// same integer sums of the same products: the scores are bit-identical).  Qword j holds words 4j..4j+3 of one token
+// (one run: runs start at multiples of 8 coordinates), whose codes lie in the 8 bytes from win_j of its row.
+// The register a vector's bytes are permuted from holds both rows' windows: row t's bytes from base in 0-31 and row
+// t + 1's in 32-63 (two loads and an insert), or, where the rows lie close enough, one load from row t's base that
+// reaches row t + 1 (its bytes sr later): PairWindows picks per call.
 template <int DT>
-struct CbIntRow {
-  static constexpr int NW = DT / 32;
-  alignas(64) int8_t perm[NW][64];  // vpermb: byte m of qword j <- byte win_j - base + m of the loaded window
-  alignas(64) int8_t ms[NW][64];    // vpmultishiftqb: both bytes of word i of qword j <- bits from its code's offset
-  alignas(64) int16_t sel[NW][32];  // 32 for the low run's words (vpermt2w's second table), else 0
-  int base[NW];                     // vector w's window: row bytes [base, base + 64), masked at the row's end
-  int run[NW];                      // 0: all words high-run, 1: all low-run (one vpermw, no select), 2: mixed
-  __mmask64 load[NW];
+struct CbKeyPairRow {
+  static constexpr int NV = DT / 16;
+  // vpermb: byte m of qword j <- byte win_j - base + m of its token's window, token t + 1's + 32; perm: base = the
+  // vector's first byte, perm0: base 0 (one window for every vector, rows of at most 32 bytes)
+  alignas(64) int8_t perm[NV][64], perm0[NV][64];
+  alignas(64) int8_t ms[NV][64];    // vpmultishiftqb: both bytes of word i of qword j <- bits from its code's offset
+  alignas(64) int16_t sel[NV][32];  // 32 for the low run's words (vpermt2w's second table), else 0
+  int base[NV];                     // vector v's first byte in a row
+  int span[NV];                     // bytes from base that hold its codes
+  int run[NV];                      // 0: all words high-run, 1: all low-run (one vpermw, no select), 2: mixed
+  int bytes = 0;
   bool init(const Fmt& f) {
     const CbRuns rn(f, DT);
     if (!rn.ok) return false;
-    for (int w = 0; w < NW; ++w) {
-      int bit[32], lo_words = 0;
-      for (int k = 0; k < 32; ++k) {
-        const int c = 32 * w + k;
-        bit[k] = rn.bit(c);
-        sel[w][k] = c < rn.nh ? 0 : 32;
+    bytes = rn.bytes;
+    for (int v = 0; v < NV; ++v) {
+      int lo_words = 0;
+      for (int k = 0; k < 16; ++k) {
+        const int c = 16 * v + k;
+        sel[v][k] = sel[v][16 + k] = c < rn.nh ? 0 : 32;
         lo_words += c >= rn.nh;
       }
-      run[w] = lo_words == 0 ? 0 : lo_words == 32 ? 1 : 2;
-      base[w] = bit[0] / 8;  // codes ascend with coordinates: word 0's is the lowest
-      for (int j = 0; j < 8; ++j) {
-        const int win = bit[4 * j] / 8;
+      run[v] = lo_words == 0 ? 0 : lo_words == 16 ? 1 : 2;
+      base[v] = rn.bit(16 * v) / 8;  // codes ascend with coordinates: word 0's is the lowest
+      span[v] = 0;
+      for (int j = 0; j < 4; ++j) {
+        const int c0 = 16 * v + 4 * j, win = rn.bit(c0) / 8;
+        const int last = (rn.bit(c0 + 3) + rn.width(c0 + 3) - 1) / 8;  // the last byte of the four codes
+        span[v] = std::max(span[v], last - base[v] + 1);
         for (int m = 0; m < 8; ++m) {
-          const int src = win - base[w] + m;
-          if (src > 63) return false;
-          perm[w][8 * j + m] = static_cast<int8_t>(src);
+          // a byte past the codes only puts bits above them (the tables repeat): any byte of the window will do
+          const int at = std::min(win + m, last);
+          if (at - base[v] > 31) return false;
+          for (int tok = 0; tok < 2; ++tok) {
+            perm[v][32 * tok + 8 * j + m] = static_cast<int8_t>(at - base[v] + 32 * tok);
+            perm0[v][32 * tok + 8 * j + m] = static_cast<int8_t>(std::min(at, 31) + 32 * tok);  // (read: rows <= 32 B)
+          }
         }
         for (int i = 0; i < 4; ++i) {
-          const int off = bit[4 * j + i] - 8 * win;
-          if (off + rn.width(32 * w + 4 * j + i) > 64) return false;
-          ms[w][8 * j + 2 * i] = ms[w][8 * j + 2 * i + 1] = static_cast<int8_t>(off);
+          const int off = rn.bit(c0 + i) - 8 * win;
+          if (off + rn.width(c0 + i) > 64) return false;
+          for (int tok = 0; tok < 2; ++tok)
+            ms[v][32 * tok + 8 * j + 2 * i] = ms[v][32 * tok + 8 * j + 2 * i + 1] = static_cast<int8_t>(off);
         }
       }
-      const int avail = rn.bytes - base[w];  // only the row's own bytes are read (the last row may end the storage)
-      load[w] = avail >= 64 ? ~__mmask64{0} : (__mmask64{1} << avail) - 1;
     }
     return true;
+  }
+};
+
+// How one call loads the pair windows of CbKeyPairRow for rows sr bytes apart: one (rows of at most 32 bytes): one
+// window per pair serves every vector; stride (row t + 1's bytes within 64 of the window's start): one load reaching
+// row t + 1, the upper half's indices moved from +32 to +sr; else two loads and an insert.
+template <int DT>
+struct PairWindows {
+  static constexpr int NV = DT / 16;
+  __m512i perm[NV];
+  __mmask64 full[NV], pad[NV];  // STRIDE: the bytes of rows t and t + 1 / of row t alone (the last, odd token)
+  __mmask32 half[NV];           // not STRIDE: a row's own bytes from base
+  int base[NV];
+  bool one = false, stride = false;
+  PairWindows(const CbKeyPairRow<DT>& cr, int64_t sr) {
+    int reach = 0;
+    for (int v = 0; v < NV; ++v) reach = std::max(reach, cr.span[v]);
+    one = cr.bytes <= 32;
+    stride = sr > 0 && (one ? sr + cr.bytes : sr + reach) <= 64;
+    const __m512i up = _mm512_set1_epi8(static_cast<char>(stride ? sr - 32 : 0));
+    for (int v = 0; v < NV; ++v) {
+      const int b0 = one ? 0 : cr.base[v], own = cr.bytes - b0;
+      base[v] = b0;
+      perm[v] = _mm512_mask_add_epi8(_mm512_load_si512(one ? cr.perm0[v] : cr.perm[v]), __mmask64{0xFFFFFFFF} << 32,
+                                     _mm512_load_si512(one ? cr.perm0[v] : cr.perm[v]), up);
+      const int64_t both = std::min<int64_t>(64, sr + own);
+      full[v] = both >= 64 ? ~__mmask64{0} : (__mmask64{1} << both) - 1;
+      pad[v] = own >= 64 ? ~__mmask64{0} : (__mmask64{1} << own) - 1;
+      half[v] = own >= 32 ? ~__mmask32{0} : (__mmask32{1} << own) - 1;
+    }
   }
 };
 
@@ -139,53 +187,79 @@ bool cb_int_query(const float* qn, int64_t R, float lsc, int16_t* q16, float* un
   return true;
 }
 
-// s[r][t] = scale_t * (q'_r . cb[codes_t]) for RB query rows over n tokens from row0 (stride sr), via int16 levels.
-// TU = 4 tokens are summed pairwise in registers (levels 0-1 of reduce_tokens; level 0 in int32, then float), the
-// rest VW tokens at once.
-template <int DT, int RB>
-void cb_int_scores(const CbIntRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
-                   const int16_t* q16, const float* unit, float* s, int64_t s_stride, const float* scale) {
-  constexpr int NW = DT / 32, TU = 4, NB = VW / TU;
+// s[r][t] = scale_t * (q'_r . cb[codes_t]) for RB query rows over n tokens from row0 (stride sr), via int16 levels,
+// two tokens per vector; each pair's int32 halves are level 0 of reduce_tokens, levels 1-3 follow in float in its
+// order, VW tokens at a time in registers.  ONE, STRIDE: PairWindows.
+template <int DT, int RB, bool ONE, bool STRIDE>
+void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<DT>& pw, const CbIntTables& tb, const char* row0,
+                   int64_t sr, int n, const int16_t* q16, const float* unit, float* s, int64_t s_stride,
+                   const float* scale) {
+  constexpr int NV = DT / 16;
   const __m512i thi = _mm512_load_si512(tb.hi), tlo = _mm512_load_si512(tb.lo), low5 = _mm512_set1_epi16(31);
-  __m512i qv[RB][NW];
+  __m512i qv[RB][NV];  // the query's 16 coordinates of vector v in both halves
   for (int r = 0; r < RB; ++r)
-    for (int w = 0; w < NW; ++w) qv[r][w] = _mm512_loadu_si512(q16 + r * DT + 32 * w);
-  auto levels = [&](const uint8_t* row, int w) __attribute__((always_inline)) {
-    const __m512i raw = _mm512_maskz_loadu_epi8(cr.load[w], row + cr.base[w]);
-    const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(cr.perm[w]), raw);
-    const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(cr.ms[w]), placed);
+    for (int v = 0; v < NV; ++v)
+      qv[r][v] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + r * DT + 16 * v)));
+  // rows a and a + 1 (the last, odd token: b == a, STRIDE: no second row)
+  auto window = [&](const char* a, bool two, int v) __attribute__((always_inline)) {
+    if constexpr (STRIDE) return _mm512_maskz_loadu_epi8(two ? pw.full[v] : pw.pad[v], a + pw.base[v]);
+    const char* b = two ? a + sr : a;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(pw.half[v], a + pw.base[v])),
+                              _mm256_maskz_loadu_epi8(pw.half[v], b + pw.base[v]), 1);
+  };
+  auto levels = [&](__m512i raw, int v) __attribute__((always_inline)) {
+    const __m512i placed = _mm512_permutexvar_epi8(pw.perm[v], raw);
+    const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(cr.ms[v]), placed);
     // the bits of the next codes above a code only repeat the table; a vector of one run needs no select (the
     // tests of its run are scalar work beside the vector pipes this loop fills)
-    if (cr.run[w] == 0) return _mm512_permutexvar_epi16(codes, thi);
-    if (cr.run[w] == 1) return _mm512_permutexvar_epi16(codes, tlo);
-    const __m512i idx = _mm512_ternarylogic_epi32(codes, low5, _mm512_load_si512(cr.sel[w]), 0xEA);  // (c & 31) | sel
+    if (cr.run[v] == 0) return _mm512_permutexvar_epi16(codes, thi);
+    if (cr.run[v] == 1) return _mm512_permutexvar_epi16(codes, tlo);
+    const __m512i idx = _mm512_ternarylogic_epi32(codes, low5, _mm512_load_si512(cr.sel[v]), 0xEA);  // (c & 31) | sel
     return _mm512_permutex2var_epi16(thi, idx, tlo);
   };
-  constexpr vi l0 = level_pattern<0>(), l1 = level_pattern<1>();
-  vf buf[RB][NB];
-  for (int t = 0; t < n; t += TU) {
-    __m512i acc[TU][RB];
-#pragma GCC unroll 4
-    for (int u = 0; u < TU; ++u) {
-      for (int r = 0; r < RB; ++r) acc[u][r] = _mm512_setzero_si512();
-      if (t + u >= n) continue;  // past the item: zero
-      const uint8_t* row = reinterpret_cast<const uint8_t*>(row0 + (t + u) * sr);
-      __builtin_prefetch(row + PREFETCH_BYTES);
-#pragma GCC unroll 8
-      for (int w = 0; w < NW; ++w) {
-        const __m512i lv = levels(row, w);
-        for (int r = 0; r < RB; ++r) acc[u][r] = _mm512_dpwssd_epi32(acc[u][r], lv, qv[r][w]);
-      }
+  // the pair of tokens ta, ta + 1 as float partial sums, each token's in its half (ta + 1 past the item: a copy)
+  auto pair = [&](int ta, bool two, vf (&out)[RB]) __attribute__((always_inline)) {
+    __m512i acc[RB];
+    for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_si512();
+    const char* row = row0 + ta * sr;
+    __builtin_prefetch(row + PREFETCH_BYTES);
+    __m512i raw = ONE ? window(row, two, 0) : _mm512_setzero_si512();
+#pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) {
+      if (!ONE) raw = window(row, two, v);
+      const __m512i lv = levels(raw, v);
+      for (int r = 0; r < RB; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], lv, qv[r][v]);
     }
-    const int blk = (t / TU) & (NB - 1);
-    auto level0 = [&](int u, int r) __attribute__((always_inline)) {  // exact in int32, then to float32
-      return __builtin_convertvector(
-          pair_sums(reinterpret_cast<vi>(acc[u][r]), reinterpret_cast<vi>(acc[u + 1][r]), l0, VW / 2), vf);
-    };
-    for (int r = 0; r < RB; ++r) buf[r][blk] = pair_sums(level0(0, r), level0(2, r), l1, VW / 4);
-    if (blk == NB - 1 || t + TU >= n)  // (scale has VW floats of padding)
-      store_block_scores<2>(buf, blk, t - blk * TU, std::min(VW, n - (t - blk * TU)), scale, unit, s, s_stride);
-  }
+    for (int r = 0; r < RB; ++r) out[r] = __builtin_convertvector(reinterpret_cast<vi>(acc[r]), vf);  // exact ints
+  };
+  // VW tokens from t (FULL: all of them in the item, else cnt), reduced in registers (levels 1-3 of reduce_tokens,
+  // in its order) and stored times their scales
+  auto block = [&]<bool FULL>(int t, int cnt) __attribute__((always_inline)) {
+    constexpr vi l1 = level_pattern<1>(), l2 = level_pattern<2>(), l3 = level_pattern<3>();
+    vf y[2][RB];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      vf x[2][RB];
+#pragma GCC unroll 2
+      for (int k = 0; k < 2; ++k) {
+        vf a[RB], b[RB];
+        const int ta = t + 8 * h + 4 * k;
+        if (FULL || ta < cnt + t) pair(ta, FULL || ta + 1 < t + cnt, a);
+        else for (int r = 0; r < RB; ++r) a[r] = vf{};
+        if (FULL || ta + 2 < cnt + t) pair(ta + 2, FULL || ta + 3 < t + cnt, b);
+        else for (int r = 0; r < RB; ++r) b[r] = vf{};
+        for (int r = 0; r < RB; ++r) x[k][r] = pair_sums(a[r], b[r], l1, VW / 4);
+      }
+      for (int r = 0; r < RB; ++r) y[h][r] = pair_sums(x[0][r], x[1][r], l2, VW / 8);
+    }
+    const vf sv = loadf(scale + t);  // (scale has VW floats of padding)
+    for (int r = 0; r < RB; ++r)
+      store_first(s + r * s_stride + t, pair_sums(y[0][r], y[1][r], l3, VW / 16) * (sv * splat(unit[r])),
+                  FULL ? VW : cnt);
+  };
+  int t = 0;
+  for (; t + VW <= n; t += VW) block.template operator()<true>(t, VW);
+  if (t < n) block.template operator()<false>(t, n - t);
 }
 
 // Hook for try_cb_scores: scores of R query rows (qn: rotated, scaled, natural order) against a CODEBOOK side's
@@ -195,7 +269,7 @@ template <int DT>
 bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const float* qn, int64_t R, float* s,
                        int64_t s_stride, const float* scale) {
   if (DT % 32 || R > 64) return false;
-  const CbIntRow<DT>* cr = format_lanes<CbIntRow<DT>>(sd.f);
+  const CbKeyPairRow<DT>* cr = format_lanes<CbKeyPairRow<DT>>(sd.f);
   if (!cr) return false;
   const CbIntTables tb(sd, DT, cb_int_max(DT));
   if (!tb.ok) return false;
@@ -203,11 +277,18 @@ bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
   float unit[64];
   if (!cb_int_query<DT>(qn, R, tb.lsc, q16, unit)) return false;
   const char* row0 = sd.x.row(b, h, t0);
+  const int64_t sr = sd.x.sr;
+  const PairWindows<DT> pw(*cr, sr);
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     with_rows(rb, [&](auto rows) {
       constexpr int RB = decltype(rows)::value;
-      cb_int_scores<DT, RB>(*cr, tb, row0, sd.x.sr, n, q16 + r0 * DT, unit + r0, s + r0 * s_stride, s_stride, scale);
+      auto go = [&]<bool ONE, bool STRIDE>() {
+        cb_int_scores<DT, RB, ONE, STRIDE>(*cr, pw, tb, row0, sr, n, q16 + r0 * DT, unit + r0, s + r0 * s_stride,
+                                           s_stride, scale);
+      };
+      if (pw.one) pw.stride ? go.template operator()<true, true>() : go.template operator()<true, false>();
+      else pw.stride ? go.template operator()<false, true>() : go.template operator()<false, false>();
     });
   }
   return true;
