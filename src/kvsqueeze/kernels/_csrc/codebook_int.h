@@ -54,6 +54,7 @@ struct CbRuns {
 template <int DT>
 struct CbKeyPairRow {
   static constexpr int NV = DT / 16;
+  static constexpr __mmask64 SECOND = __mmask64{0xFFFFFFFF} << 32;  // the upper half's bytes: token t + 1's
   // vpermb: byte m of qword j <- byte win_j - base + m of its token's window, token t + 1's + 32; perm: base = the
   // vector's first byte, perm0: base 0 (one window for every vector, rows of at most 32 bytes)
   alignas(64) int8_t perm[NV][64], perm0[NV][64];
@@ -102,18 +103,19 @@ struct CbKeyPairRow {
   }
 };
 
-// How one call loads the pair windows of CbKeyPairRow for rows sr bytes apart: one (rows of at most 32 bytes): one
-// window per pair serves every vector; stride (row t + 1's bytes within 64 of the window's start): one load reaching
-// row t + 1, the upper half's indices moved from +32 to +sr; else two loads and an insert.
-template <int DT>
+// How one call loads a pair layout's windows (Row: CbKeyPairRow or CbPairRow; Row::SECOND marks the permutation bytes
+// that read row t + 1, from its window at byte 32) for rows sr bytes apart.  one (rows of at most 32 bytes): one
+// window per pair serves every vector; stride (row t + 1's codes within 64 bytes of the window's start): one load
+// reaching row t + 1, whose indices move from +32 to +sr; else two loads and an insert.
+template <class Row>
 struct PairWindows {
-  static constexpr int NV = DT / 16;
+  static constexpr int NV = Row::NV;
   __m512i perm[NV];
-  __mmask64 full[NV], pad[NV];  // STRIDE: the bytes of rows t and t + 1 / of row t alone (the last, odd token)
-  __mmask32 half[NV];           // not STRIDE: a row's own bytes from base
+  __mmask64 full[NV], pad[NV];  // stride: the bytes of rows t and t + 1 / of row t alone (the last, odd token)
+  __mmask32 half[NV];           // else: a row's own bytes from base
   int base[NV];
   bool one = false, stride = false;
-  PairWindows(const CbKeyPairRow<DT>& cr, int64_t sr) {
+  PairWindows(const Row& cr, int64_t sr) {
     int reach = 0;
     for (int v = 0; v < NV; ++v) reach = std::max(reach, cr.span[v]);
     one = cr.bytes <= 32;
@@ -122,13 +124,27 @@ struct PairWindows {
     for (int v = 0; v < NV; ++v) {
       const int b0 = one ? 0 : cr.base[v], own = cr.bytes - b0;
       base[v] = b0;
-      perm[v] = _mm512_mask_add_epi8(_mm512_load_si512(one ? cr.perm0[v] : cr.perm[v]), __mmask64{0xFFFFFFFF} << 32,
-                                     _mm512_load_si512(one ? cr.perm0[v] : cr.perm[v]), up);
+      const __m512i p = _mm512_load_si512(one ? cr.perm0[v] : cr.perm[v]);
+      perm[v] = _mm512_mask_add_epi8(p, Row::SECOND, p, up);
       const int64_t both = std::min<int64_t>(64, sr + own);
       full[v] = both >= 64 ? ~__mmask64{0} : (__mmask64{1} << both) - 1;
       pad[v] = own >= 64 ? ~__mmask64{0} : (__mmask64{1} << own) - 1;
       half[v] = own >= 32 ? ~__mmask32{0} : (__mmask32{1} << own) - 1;
     }
+  }
+  // vector v's bytes of rows a and a + sr (two false: the last, odd token, a alone; its partner reads as a or 0)
+  template <bool STRIDE>
+  __attribute__((always_inline)) __m512i load(const char* a, bool two, int64_t sr, int v) const {
+    if constexpr (STRIDE) return _mm512_maskz_loadu_epi8(two ? full[v] : pad[v], a + base[v]);
+    const char* b = two ? a + sr : a;
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(half[v], a + base[v])),
+                              _mm256_maskz_loadu_epi8(half[v], b + base[v]), 1);
+  }
+  // f.template operator()<ONE, STRIDE>() for this call's way of loading
+  template <class F>
+  void dispatch(F&& f) const {
+    if (one) stride ? f.template operator()<true, true>() : f.template operator()<true, false>();
+    else stride ? f.template operator()<false, true>() : f.template operator()<false, false>();
   }
 };
 
@@ -191,7 +207,7 @@ bool cb_int_query(const float* qn, int64_t R, float lsc, int16_t* q16, float* un
 // two tokens per vector; each pair's int32 halves are level 0 of reduce_tokens, levels 1-3 follow in float in its
 // order, VW tokens at a time in registers.  ONE, STRIDE: PairWindows.
 template <int DT, int RB, bool ONE, bool STRIDE>
-void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<DT>& pw, const CbIntTables& tb, const char* row0,
+void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<CbKeyPairRow<DT>>& pw, const CbIntTables& tb, const char* row0,
                    int64_t sr, int n, const int16_t* q16, const float* unit, float* s, int64_t s_stride,
                    const float* scale) {
   constexpr int NV = DT / 16;
@@ -200,13 +216,6 @@ void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<DT>& pw, const 
   for (int r = 0; r < RB; ++r)
     for (int v = 0; v < NV; ++v)
       qv[r][v] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + r * DT + 16 * v)));
-  // rows a and a + 1 (the last, odd token: b == a, STRIDE: no second row)
-  auto window = [&](const char* a, bool two, int v) __attribute__((always_inline)) {
-    if constexpr (STRIDE) return _mm512_maskz_loadu_epi8(two ? pw.full[v] : pw.pad[v], a + pw.base[v]);
-    const char* b = two ? a + sr : a;
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(pw.half[v], a + pw.base[v])),
-                              _mm256_maskz_loadu_epi8(pw.half[v], b + pw.base[v]), 1);
-  };
   auto levels = [&](__m512i raw, int v) __attribute__((always_inline)) {
     const __m512i placed = _mm512_permutexvar_epi8(pw.perm[v], raw);
     const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(cr.ms[v]), placed);
@@ -223,10 +232,10 @@ void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<DT>& pw, const 
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_si512();
     const char* row = row0 + ta * sr;
     __builtin_prefetch(row + PREFETCH_BYTES);
-    __m512i raw = ONE ? window(row, two, 0) : _mm512_setzero_si512();
+    __m512i raw = ONE ? pw.template load<STRIDE>(row, two, sr, 0) : _mm512_setzero_si512();
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) {
-      if (!ONE) raw = window(row, two, v);
+      if (!ONE) raw = pw.template load<STRIDE>(row, two, sr, v);
       const __m512i lv = levels(raw, v);
       for (int r = 0; r < RB; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], lv, qv[r][v]);
     }
@@ -278,17 +287,15 @@ bool try_cb_int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
   if (!cb_int_query<DT>(qn, R, tb.lsc, q16, unit)) return false;
   const char* row0 = sd.x.row(b, h, t0);
   const int64_t sr = sd.x.sr;
-  const PairWindows<DT> pw(*cr, sr);
+  const PairWindows<CbKeyPairRow<DT>> pw(*cr, sr);
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     with_rows(rb, [&](auto rows) {
       constexpr int RB = decltype(rows)::value;
-      auto go = [&]<bool ONE, bool STRIDE>() {
+      pw.dispatch([&]<bool ONE, bool STRIDE>() {
         cb_int_scores<DT, RB, ONE, STRIDE>(*cr, pw, tb, row0, sr, n, q16 + r0 * DT, unit + r0, s + r0 * s_stride,
                                            s_stride, scale);
-      };
-      if (pw.one) pw.stride ? go.template operator()<true, true>() : go.template operator()<true, false>();
-      else pw.stride ? go.template operator()<false, true>() : go.template operator()<false, false>();
+      });
     });
   }
   return true;
@@ -319,46 +326,43 @@ constexpr int CB_VALUE_RUN = 16;  // tokens per int32 run: 16 x 32767 x 4095 < 2
 template <int DT>
 struct CbPairRow {
   static constexpr int NV = DT / 16;
-  alignas(64) int8_t perm[NV][64];  // vpermb: bytes 0-2 of qword j <- row t's window bytes win_j.., 3-5 <- row t+1's
+  static constexpr __mmask64 SECOND = 0x3838383838383838;  // bytes 3-5 of every qword: token t + 1's
+  // vpermb: bytes 0-2 of qword j <- row t's window bytes win_j - base.., 3-5 <- row t + 1's (+32); perm: base = the
+  // vector's first byte, perm0: base 0 (one window for every vector, rows of at most 32 bytes)
+  alignas(64) int8_t perm[NV][64], perm0[NV][64];
   alignas(64) int8_t ms[NV][64];    // vpmultishiftqb: both bytes of each word <- the bits from its code's offset
   alignas(64) int16_t sel[NV][32];  // 32 for the low run's words (vpermt2w's second table), else 0
-  int base[NV];                     // vector v's window: row bytes [base, base + 32), masked at the row's end
-  __mmask32 load[NV];
-  bool one = false;  // rows of at most 32 bytes: every vector reads the window from byte 0, loaded once per 2 tokens
+  int base[NV];                     // vector v's first byte in a row
+  int span[NV];                     // bytes from base that hold its codes
+  int bytes = 0;
   bool init(const Fmt& f) {
     const CbRuns rn(f, DT);
     if (!rn.ok) return false;
-    one = rn.bytes <= 32;
+    bytes = rn.bytes;
     for (int v = 0; v < NV; ++v) {
-      int bit[16];
-      for (int l = 0; l < 16; ++l) {
-        const int c = 16 * v + l;
-        bit[l] = rn.bit(c);
-        sel[v][2 * l] = sel[v][2 * l + 1] = c < rn.nh ? 0 : 32;
-      }
-      base[v] = one ? 0 : bit[0] / 8;  // codes ascend with coordinates: lane 0's is the lowest
+      for (int l = 0; l < 16; ++l) sel[v][2 * l] = sel[v][2 * l + 1] = 16 * v + l < rn.nh ? 0 : 32;
+      base[v] = rn.bit(16 * v) / 8;  // codes ascend with coordinates: lane 0's is the lowest
+      span[v] = 0;
       for (int j = 0; j < 8; ++j) {
-        const int win = bit[2 * j] / 8;
-        const int last = (bit[2 * j + 1] + rn.width(16 * v + 2 * j + 1) - 1) / 8;  // the last byte of the two codes
+        const int c0 = 16 * v + 2 * j, win = rn.bit(c0) / 8;
+        const int last = (rn.bit(c0 + 1) + rn.width(c0 + 1) - 1) / 8;  // the last byte of the two codes
+        span[v] = std::max(span[v], last - base[v] + 1);
         for (int m = 0; m < 3; ++m) {
-          int src = win - base[v] + m;
-          if (src > 31) {
-            if (win + m <= last) return false;
-            src = 31;  // a byte past the codes: its bits only repeat the table
+          const int at = std::min(win + m, last);  // a byte past the codes: its bits only repeat the table
+          if (at - base[v] > 31) return false;
+          for (int tok = 0; tok < 2; ++tok) {
+            perm[v][8 * j + 3 * tok + m] = static_cast<int8_t>(at - base[v] + 32 * tok);
+            perm0[v][8 * j + 3 * tok + m] = static_cast<int8_t>(std::min(at, 31) + 32 * tok);  // (read: rows <= 32 B)
           }
-          perm[v][8 * j + m] = static_cast<int8_t>(src);
-          perm[v][8 * j + 3 + m] = static_cast<int8_t>(src + 32);
         }
-        perm[v][8 * j + 6] = perm[v][8 * j + 7] = 0;  // (unread)
+        perm[v][8 * j + 6] = perm[v][8 * j + 7] = perm0[v][8 * j + 6] = perm0[v][8 * j + 7] = 0;  // (unread)
         for (int i = 0; i < 2; ++i) {
-          const int off = bit[2 * j + i] - 8 * win;
-          if (off + rn.width(16 * v + 2 * j + i) > 24) return false;
+          const int off = rn.bit(c0 + i) - 8 * win;
+          if (off + rn.width(c0 + i) > 24) return false;
           ms[v][8 * j + 4 * i] = ms[v][8 * j + 4 * i + 1] = static_cast<int8_t>(off);  // word 2i: token t
           ms[v][8 * j + 4 * i + 2] = ms[v][8 * j + 4 * i + 3] = static_cast<int8_t>(off + 24);  // 2i + 1: t + 1
         }
       }
-      const int avail = rn.bytes - base[v];  // only the row's own bytes are read (the last row may end the storage)
-      load[v] = avail >= 32 ? ~__mmask32{0} : (__mmask32{1} << avail) - 1;
     }
     return true;
   }
@@ -366,10 +370,11 @@ struct CbPairRow {
 
 // acc (RB rows of DT floats, natural order) += sw_r sum_t wq_rt L_t (sw_r: the row's factor back to floats) over
 // vectors [v0, v0 + VP) of n tokens from row0 (stride sr); wq: RB rows of n2 weights (n2 even, the pad token's weight
-// 0).  ONE: CbPairRow::one.
-template <int DT, int RB, int VP, bool ONE>
-void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
-                        const int16_t* wq, int n2, const float* sw, float* acc, int v0) {
+// 0).  ONE, STRIDE: PairWindows.
+template <int DT, int RB, int VP, bool ONE, bool STRIDE>
+void cb_int_values_pass(const CbPairRow<DT>& cr, const PairWindows<CbPairRow<DT>>& pw, const CbIntTables& tb,
+                        const char* row0, int64_t sr, int n, const int16_t* wq, int n2, const float* sw, float* acc,
+                        int v0) {
   const __m512i thi = _mm512_load_si512(tb.hi), tlo = _mm512_load_si512(tb.lo), low5 = _mm512_set1_epi16(31);
   __m512i ai[RB][VP];
   for (int r = 0; r < RB; ++r)
@@ -382,13 +387,9 @@ void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const ch
         ai[r][i] = _mm512_setzero_si512();
       }
   };
-  auto window = [&](const char* a, const char* b, int v) __attribute__((always_inline)) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_maskz_loadu_epi8(cr.load[v], a + cr.base[v])),
-                              _mm256_maskz_loadu_epi8(cr.load[v], b + cr.base[v]), 1);
-  };
   for (int t = 0; t < n; t += 2) {
     const char* ra = row0 + t * sr;
-    const char* rb = t + 1 < n ? ra + sr : ra;  // the pad token (weight 0) re-reads token t's codes
+    const bool two = t + 1 < n;  // else the pad token (weight 0) reads token t's codes or zeros
     __builtin_prefetch(ra + PREFETCH_BYTES);
     __m512i w[RB];
     for (int r = 0; r < RB; ++r) {
@@ -396,12 +397,12 @@ void cb_int_values_pass(const CbPairRow<DT>& cr, const CbIntTables& tb, const ch
       std::memcpy(&pair, wq + r * n2 + t, sizeof(pair));
       w[r] = _mm512_set1_epi32(pair);
     }
-    __m512i raw = ONE ? window(ra, rb, 0) : _mm512_setzero_si512();
+    __m512i raw = ONE ? pw.template load<STRIDE>(ra, two, sr, 0) : _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int i = 0; i < VP; ++i) {
       const int v = v0 + i;
-      if (!ONE) raw = window(ra, rb, v);
-      const __m512i placed = _mm512_permutexvar_epi8(_mm512_load_si512(cr.perm[v]), raw);
+      if (!ONE) raw = pw.template load<STRIDE>(ra, two, sr, v);
+      const __m512i placed = _mm512_permutexvar_epi8(pw.perm[v], raw);
       const __m512i codes = _mm512_multishift_epi64_epi8(_mm512_load_si512(cr.ms[v]), placed);
       // every vector through both tables, (c & 31) | sel: a test of its run per vector cost more (branches, and
       // moves of the sums between registers at their joins)
@@ -442,9 +443,9 @@ void cb_int_value_weights(const float* p, int64_t p_stride, int n, int16_t* wq, 
   }
 }
 
-template <int DT, int RB, bool ONE>
-void cb_int_values(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* row0, int64_t sr, int n,
-                   const float* p, int64_t p_stride, int16_t* wq, float* acc) {
+template <int DT, int RB, bool ONE, bool STRIDE>
+void cb_int_values(const CbPairRow<DT>& cr, const PairWindows<CbPairRow<DT>>& pw, const CbIntTables& tb,
+                   const char* row0, int64_t sr, int n, const float* p, int64_t p_stride, int16_t* wq, float* acc) {
   const int n2 = n + (n & 1);
   float sw[RB];
   cb_int_value_weights<RB>(p, p_stride, n, wq, n2, sw);
@@ -455,7 +456,8 @@ void cb_int_values(const CbPairRow<DT>& cr, const CbIntTables& tb, const char* r
   for (int k = 0, v = 0; k < passes; ++k) {
     const int size = NV / passes + (k < NV % passes);
     [&]<int... S>(std::integer_sequence<int, S...>) {
-      ((size == S + 1 ? cb_int_values_pass<DT, RB, S + 1, ONE>(cr, tb, row0, sr, n, wq, n2, sw, acc, v) : void()),
+      ((size == S + 1 ? cb_int_values_pass<DT, RB, S + 1, ONE, STRIDE>(cr, pw, tb, row0, sr, n, wq, n2, sw, acc, v)
+                      : void()),
        ...);
     }(std::make_integer_sequence<int, VP>{});
     v += size;
@@ -480,13 +482,15 @@ bool try_cb_int_values(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, 
                                              _mm512_maskz_loadu_ps(lanes_before(t, n), p + r * p_stride + t)));
   if (!std::isfinite(_mm512_reduce_add_ps(bad))) return false;
   const char* row0 = sd.x.row(b, h, t0);
+  const int64_t sr = sd.x.sr;
+  const PairWindows<CbPairRow<DT>> pw(*cr, sr);
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const int rb = static_cast<int>(std::min<int64_t>(4, R - r0));
     with_rows(rb, [&](auto rows) {
       constexpr int RB = decltype(rows)::value;
-      const float* pr = p + r0 * p_stride;
-      if (cr->one) cb_int_values<DT, RB, true>(*cr, tb, row0, sd.x.sr, n, pr, p_stride, wq, acc + r0 * DT);
-      else cb_int_values<DT, RB, false>(*cr, tb, row0, sd.x.sr, n, pr, p_stride, wq, acc + r0 * DT);
+      pw.dispatch([&]<bool ONE, bool STRIDE>() {
+        cb_int_values<DT, RB, ONE, STRIDE>(*cr, pw, tb, row0, sr, n, p + r0 * p_stride, p_stride, wq, acc + r0 * DT);
+      });
     });
   }
   return true;
