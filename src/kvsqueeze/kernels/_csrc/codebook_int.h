@@ -226,8 +226,8 @@ void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<CbKeyPairRow<DT
     const __m512i idx = _mm512_ternarylogic_epi32(codes, low5, _mm512_load_si512(cr.sel[v]), 0xEA);  // (c & 31) | sel
     return _mm512_permutex2var_epi16(thi, idx, tlo);
   };
-  // the pair of tokens ta, ta + 1 as float partial sums, each token's in its half (ta + 1 past the item: a copy)
-  auto pair = [&](int ta, bool two, vf (&out)[RB]) __attribute__((always_inline)) {
+  // the pair of tokens ta, ta + 1 as float partial sums, each token's in its half (two false: ta + 1 past the item)
+  auto pair = [&](int ta, bool two) __attribute__((always_inline)) {
     __m512i acc[RB];
     for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_si512();
     const char* row = row0 + ta * sr;
@@ -239,32 +239,20 @@ void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<CbKeyPairRow<DT
       const __m512i lv = levels(raw, v);
       for (int r = 0; r < RB; ++r) acc[r] = _mm512_dpwssd_epi32(acc[r], lv, qv[r][v]);
     }
+    std::array<vf, RB> out;
     for (int r = 0; r < RB; ++r) out[r] = __builtin_convertvector(reinterpret_cast<vi>(acc[r]), vf);  // exact ints
+    return out;
   };
-  // VW tokens from t (FULL: all of them in the item, else cnt), reduced in registers (levels 1-3 of reduce_tokens,
-  // in its order) and stored times their scales
+  // VW tokens from t (FULL: all of them in the item, else cnt; pairs past it are zeros), reduced in registers from
+  // level 1 on and stored times their scales
   auto block = [&]<bool FULL>(int t, int cnt) __attribute__((always_inline)) {
-    constexpr vi l1 = level_pattern<1>(), l2 = level_pattern<2>(), l3 = level_pattern<3>();
-    vf y[2][RB];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      vf x[2][RB];
-#pragma GCC unroll 2
-      for (int k = 0; k < 2; ++k) {
-        vf a[RB], b[RB];
-        const int ta = t + 8 * h + 4 * k;
-        if (FULL || ta < cnt + t) pair(ta, FULL || ta + 1 < t + cnt, a);
-        else for (int r = 0; r < RB; ++r) a[r] = vf{};
-        if (FULL || ta + 2 < cnt + t) pair(ta + 2, FULL || ta + 3 < t + cnt, b);
-        else for (int r = 0; r < RB; ++r) b[r] = vf{};
-        for (int r = 0; r < RB; ++r) x[k][r] = pair_sums(a[r], b[r], l1, VW / 4);
-      }
-      for (int r = 0; r < RB; ++r) y[h][r] = pair_sums(x[0][r], x[1][r], l2, VW / 8);
-    }
+    const std::array<vf, RB> dots = reduce_leaves<1>([&](int i) __attribute__((always_inline)) {
+      const int ta = t + 2 * i;
+      if (!FULL && ta >= t + cnt) return std::array<vf, RB>{};
+      return pair(ta, FULL || ta + 1 < t + cnt);
+    });
     const vf sv = loadf(scale + t);  // (scale has VW floats of padding)
-    for (int r = 0; r < RB; ++r)
-      store_first(s + r * s_stride + t, pair_sums(y[0][r], y[1][r], l3, VW / 16) * (sv * splat(unit[r])),
-                  FULL ? VW : cnt);
+    for (int r = 0; r < RB; ++r) store_first(s + r * s_stride + t, dots[r] * (sv * splat(unit[r])), FULL ? VW : cnt);
   };
   int t = 0;
   for (; t + VW <= n; t += VW) block.template operator()<true>(t, VW);

@@ -153,6 +153,43 @@ __attribute__((always_inline)) inline V reduce_tokens(V* x) {
   }
 }
 
+// reduce_tokens<START> over the VW >> START vectors leaf(0), leaf(1), ... (each an array of RB rows' vectors, float or
+// integer lanes), taking the levels as the leaves come, depth first: at most log2 of them per row are live, so the
+// partial sums stay in registers where a buffer of all of them went through memory.  The same sums in the same order
+// as reduce_tokens (AVX2, whose first levels take other patterns there, gathers the leaves and calls it).
+template <int START, int COUNT, class Leaf>
+__attribute__((always_inline)) inline auto token_tree(Leaf& leaf, int first) {
+  if constexpr (COUNT == 1) {
+    return leaf(first);
+  } else {
+    constexpr int LEVEL = START + __builtin_ctz(COUNT) - 1;  // the level that joins two halves of COUNT leaves
+    const auto a = token_tree<START, COUNT / 2>(leaf, first);
+    const auto b = token_tree<START, COUNT / 2>(leaf, first + COUNT / 2);
+    auto out = a;
+    for (size_t r = 0; r < out.size(); ++r) out[r] = pair_sums(a[r], b[r], level_pattern<LEVEL>(), VW >> (LEVEL + 1));
+    return out;
+  }
+}
+
+template <int START, class Leaf>
+__attribute__((always_inline)) inline auto reduce_leaves(Leaf&& leaf) {
+  constexpr int NV = VW >> START;
+  if constexpr (VW == 16 && NV > 1) {
+    return token_tree<START, NV>(leaf, 0);
+  } else {
+    using Rows = decltype(leaf(0));
+    constexpr int RB = std::tuple_size_v<Rows>;
+    typename Rows::value_type buf[RB][NV];
+    for (int v = 0; v < NV; ++v) {
+      const Rows x = leaf(v);
+      for (int r = 0; r < RB; ++r) buf[r][v] = x[r];
+    }
+    Rows out;
+    for (int r = 0; r < RB; ++r) out[r] = reduce_tokens<START>(buf[r]);
+    return out;
+  }
+}
+
 // The sum of one vector's lanes as a tree (log2(VW) dependent adds, not VW)
 inline float sum_lanes(vf v) {
 #if defined(__AVX512F__)
@@ -178,7 +215,7 @@ inline vf reduce_lanes(const vf* x) {
 // The end of a block of VW tokens (or of an item) whose scores are parked per row in buf[r][0 .. blk], each vector
 // holding 2^LTU tokens side by side: the unfilled vectors are zeroed, each row reduced to a lane per token, times
 // the tokens' scales (scale: from the block's first token, VW floats readable) and, where given, a factor per row,
-// and the first cnt stored from s + r * s_stride + first (the codebook score loops, float and integer).
+// and the first cnt stored from s + r * s_stride + first (the float codebook score loop).
 template <int LTU, int RB, int NB>
 __attribute__((always_inline)) inline void store_block_scores(vf (&buf)[RB][NB], int blk, int first, int cnt,
                                                               const float* scale, const float* row_factor, float* s,

@@ -353,7 +353,6 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
   using L = IntLayout<DT, BITS>;
   static_assert(L::PAIRS_FIT, "int16 pair sums would overflow");
   constexpr uint8_t MASK = BITS >= 8 ? 0xFF : (1 << BITS) - 1;
-  constexpr int NV = VW >> L::START;  // vectors per block of VW tokens
   IntQuery<DT, BITS, RB> iq;
   float cst[RB] = {0.f}, qsum[RB] = {0.f};
   alignas(64) static const uint8_t zeros[IB * 8] = {0};
@@ -403,8 +402,8 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
     for (; tb < tend; tb += VW) {
       const int nb = std::min(VW, n - tb);
       ahead.block(tb);
-      vi buf[RB][NV];  // exact int32 lane sums, reduced as integers and converted once per VW tokens
-      for (int v = 0; v < NV; ++v) {
+      // exact int32 lane sums of vector v (L::TPV tokens), reduced as integers and converted once per VW tokens
+      auto leaf = [&](int v) __attribute__((always_inline)) {
         const int tok = tb + v * L::TPV;  // first token of this vector
         ivec acc[RB], low[RB];
         for (int r = 0; r < RB; ++r) acc[r] = low[r] = izero();
@@ -448,13 +447,16 @@ void int_scores(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, const f
             }(std::make_integer_sequence<int, L::per>{});
           }
         }
+        std::array<vi, RB> out;
         for (int r = 0; r < RB; ++r) {
           const ivec x = L::S16 || L::U16 ? acc[r] : parts_sum(acc[r], low[r]);
-          std::memcpy(&buf[r][v], &x, sizeof(x));
+          std::memcpy(&out[r], &x, sizeof(x));
         }
-      }
+        return out;
+      };
+      const std::array<vi, RB> sums = reduce_leaves<L::START>(leaf);
       for (int r = 0; r < RB; ++r) {
-        const vf dots = __builtin_convertvector(reduce_tokens<L::START>(buf[r]), vf);
+        const vf dots = __builtin_convertvector(sums[r], vf);
         const vf sv = KIND == INT_CHANNEL ? dots * iq.sq[r] + cst[r]
                                           : dots * iq.sq[r] * loadf(A + tb) + loadf(C + tb) * qsum[r];
         store_first(s + r * s_stride + tb, sv, nb);
