@@ -207,9 +207,9 @@ bool cb_int_query(const float* qn, int64_t R, float lsc, int16_t* q16, float* un
 // two tokens per vector; each pair's int32 halves are level 0 of reduce_tokens, levels 1-3 follow in float in its
 // order, VW tokens at a time in registers.  ONE, STRIDE: PairWindows.
 template <int DT, int RB, bool ONE, bool STRIDE>
-void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<CbKeyPairRow<DT>>& pw, const CbIntTables& tb, const char* row0,
-                   int64_t sr, int n, const int16_t* q16, const float* unit, float* s, int64_t s_stride,
-                   const float* scale) {
+void cb_int_scores(const CbKeyPairRow<DT>& cr, const PairWindows<CbKeyPairRow<DT>>& pw, const CbIntTables& tb,
+                   const char* row0, int64_t sr, int n, const int16_t* q16, const float* unit, float* s,
+                   int64_t s_stride, const float* scale) {
   constexpr int NV = DT / 16;
   const __m512i thi = _mm512_load_si512(tb.hi), tlo = _mm512_load_si512(tb.lo), low5 = _mm512_set1_epi16(31);
   __m512i qv[RB][NV];  // the query's 16 coordinates of vector v in both halves
