@@ -195,9 +195,10 @@ def _rows_apart(plan, pad: int):
 @pytest.mark.parametrize("pad", [0, 9, 48])
 def test_rows_apart_in_memory(spec, head_dim, pad):
     """Codes whose rows lie ``pad`` bytes apart (a view into wider storage) give the cache's own outputs bit for bit.
-    The avx512-vbmi key path reads two rows per vector: one load where row t + 1's codes lie within 64 bytes of row
-    t's window, two loads and an insert otherwise, one window for every vector where rows hold at most 32 bytes;
-    these cases take each way (rot-3 at 64: 23-byte rows; k4r at 64: 32; rot-3 at 128: 46; k4r at 128: 64)."""
+    The avx512-vbmi paths (rotated keys and values, _csrc/codebook_int.h PairWindows) read two rows per vector: one
+    load where row t + 1's codes lie within 64 bytes of row t's window, two loads and an insert otherwise, one window
+    for every vector where rows hold at most 32 bytes; these cases take each way (rot-3 at 64: 23-byte key rows; k4r
+    at 64: 32; rot-3 at 128: 46; k4r at 128: 64; rot-3 at 256: 92)."""
     layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=head_dim, stored=300, new=1, steps=2)
     plan = layer.plan()
     apart = _rows_apart(plan, pad)
