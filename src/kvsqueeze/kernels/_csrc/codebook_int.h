@@ -40,7 +40,22 @@ struct CbRuns {
         ok(nh % 8 == 0 && bh >= 1 && bh <= 5 && (nh >= D || (bl >= 1 && bl <= 5))) {}
   int bit(int c) const { return c < nh ? c * bh : 8 * hb + (c - nh) * bl; }
   int width(int c) const { return c < nh ? bh : bl; }
+  int last_byte(int c) const { return (bit(c) + width(c) - 1) / 8; }
 };
+
+// Slots [slot, slot + m) of a pair layout's permutations (CbKeyPairRow, CbPairRow; perm: bytes counted from the
+// vector's base, perm0: from byte 0) <- token tok's row bytes win.. of a run of codes ending in byte last (row t + 1's
+// window at +32); a byte past last only puts bits above the codes (the tables repeat), so last stands in for it.
+// False where a byte lies past the 32-byte window from base.
+inline bool pair_window_bytes(int8_t* perm, int8_t* perm0, int slot, int m, int win, int last, int base, int tok) {
+  for (int k = 0; k < m; ++k) {
+    const int at = std::min(win + k, last);
+    if (at - base > 31) return false;
+    perm[slot + k] = static_cast<int8_t>(at - base + 32 * tok);
+    perm0[slot + k] = static_cast<int8_t>(std::min(at, 31) + 32 * tok);  // (read only for rows of <= 32 bytes)
+  }
+  return true;
+}
 
 // Where each word of a pair of rows' 16-coordinate vectors finds its code, for one format at head_dim DT.  A vector
 // holds two tokens side by side: words 0-15 are token t's coordinates 16 v .. 16 v + 15, words 16-31 token t + 1's, so
@@ -79,18 +94,10 @@ struct CbKeyPairRow {
       base[v] = rn.bit(16 * v) / 8;  // codes ascend with coordinates: word 0's is the lowest
       span[v] = 0;
       for (int j = 0; j < 4; ++j) {
-        const int c0 = 16 * v + 4 * j, win = rn.bit(c0) / 8;
-        const int last = (rn.bit(c0 + 3) + rn.width(c0 + 3) - 1) / 8;  // the last byte of the four codes
+        const int c0 = 16 * v + 4 * j, win = rn.bit(c0) / 8, last = rn.last_byte(c0 + 3);  // the four codes' bytes
         span[v] = std::max(span[v], last - base[v] + 1);
-        for (int m = 0; m < 8; ++m) {
-          // a byte past the codes only puts bits above them (the tables repeat): any byte of the window will do
-          const int at = std::min(win + m, last);
-          if (at - base[v] > 31) return false;
-          for (int tok = 0; tok < 2; ++tok) {
-            perm[v][32 * tok + 8 * j + m] = static_cast<int8_t>(at - base[v] + 32 * tok);
-            perm0[v][32 * tok + 8 * j + m] = static_cast<int8_t>(std::min(at, 31) + 32 * tok);  // (read: rows <= 32 B)
-          }
-        }
+        for (int tok = 0; tok < 2; ++tok)  // qword j of each half: 8 bytes of its token's row
+          if (!pair_window_bytes(perm[v], perm0[v], 32 * tok + 8 * j, 8, win, last, base[v], tok)) return false;
         for (int i = 0; i < 4; ++i) {
           const int off = rn.bit(c0 + i) - 8 * win;
           if (off + rn.width(c0 + i) > 64) return false;
@@ -332,17 +339,10 @@ struct CbPairRow {
       base[v] = rn.bit(16 * v) / 8;  // codes ascend with coordinates: lane 0's is the lowest
       span[v] = 0;
       for (int j = 0; j < 8; ++j) {
-        const int c0 = 16 * v + 2 * j, win = rn.bit(c0) / 8;
-        const int last = (rn.bit(c0 + 1) + rn.width(c0 + 1) - 1) / 8;  // the last byte of the two codes
+        const int c0 = 16 * v + 2 * j, win = rn.bit(c0) / 8, last = rn.last_byte(c0 + 1);  // the two codes' bytes
         span[v] = std::max(span[v], last - base[v] + 1);
-        for (int m = 0; m < 3; ++m) {
-          const int at = std::min(win + m, last);  // a byte past the codes: its bits only repeat the table
-          if (at - base[v] > 31) return false;
-          for (int tok = 0; tok < 2; ++tok) {
-            perm[v][8 * j + 3 * tok + m] = static_cast<int8_t>(at - base[v] + 32 * tok);
-            perm0[v][8 * j + 3 * tok + m] = static_cast<int8_t>(std::min(at, 31) + 32 * tok);  // (read: rows <= 32 B)
-          }
-        }
+        for (int tok = 0; tok < 2; ++tok)  // bytes 0-2 of qword j: row t's, 3-5: row t + 1's
+          if (!pair_window_bytes(perm[v], perm0[v], 8 * j + 3 * tok, 3, win, last, base[v], tok)) return false;
         perm[v][8 * j + 6] = perm[v][8 * j + 7] = perm0[v][8 * j + 6] = perm0[v][8 * j + 7] = 0;  // (unread)
         for (int i = 0; i < 2; ++i) {
           const int off = rn.bit(c0 + i) - 8 * win;
