@@ -17,6 +17,14 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)```", text, re.S).group(1)
 
 
+def as_this_transformers_names_it(code: str) -> str:
+    """README's code with the cache argument this transformers takes (``past_key_values=`` before 5.24, as README
+    says)."""
+    from kvsqueeze.adapter import cache_arg
+
+    return code if cache_arg() == "cache" else code.replace("cache=cache", "past_key_values=cache")
+
+
 def test_readme_example_names_the_current_cache_argument():
     code = readme_example()
     assert "cache=cache" in code and "past_key_values" not in code
@@ -36,11 +44,7 @@ class _Records(logging.Handler):
 def test_readme_example_runs_without_warnings():
     from transformers.utils import logging as hf_logging
 
-    from kvsqueeze.adapter import cache_arg
-
-    code = readme_example()
-    if cache_arg() != "cache":  # transformers before 5.24, as README says
-        code = code.replace("cache=cache", "past_key_values=cache")
+    code = as_this_transformers_names_it(readme_example())
     # transformers logs its deprecations once per process (warning_once): forget earlier ones so this run shows them
     hf_logging.warning_once.cache_clear() if hasattr(hf_logging.warning_once, "cache_clear") else None
     records = _Records()
@@ -71,8 +75,8 @@ def test_readme_static_cache_example_runs():
     first, second = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)[:2]
     ns: dict = {}
     with contextlib.redirect_stdout(io.StringIO()):
-        exec(compile(first, "README.md", "exec"), ns)
-        exec(compile(second, "README.md", "exec"), ns)
+        exec(compile(as_this_transformers_names_it(first), "README.md", "exec"), ns)
+        exec(compile(as_this_transformers_names_it(second), "README.md", "exec"), ns)
     prompt = ns["inputs"]["input_ids"].shape[1]
     assert ns["out"].shape[1] <= prompt + 256
     assert int(ns["cache"].get_seq_length()) == ns["out"].shape[1] - 1  # the last token is never fed back
