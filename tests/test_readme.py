@@ -12,9 +12,13 @@ import warnings
 from conftest import REPO_ROOT, requires_embedded
 
 
+def readme_examples() -> list[str]:
+    """README's python code blocks, in order."""
+    return re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+
+
 def readme_example() -> str:
-    text = (REPO_ROOT / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    return readme_examples()[0]
 
 
 def as_this_transformers_names_it(code: str) -> str:
@@ -72,7 +76,7 @@ def test_readme_example_runs_without_warnings():
 @requires_embedded
 def test_readme_static_cache_example_runs():
     """The second example (StaticQuantizedCache) runs after the first, in its namespace, and stores its tokens."""
-    first, second = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)[:2]
+    first, second = readme_examples()[:2]
     ns: dict = {}
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(as_this_transformers_names_it(first), "README.md", "exec"), ns)
