@@ -65,3 +65,20 @@ def test_frontier_add_to_measures_only_the_new_cache(tiny_model_dir, tiny_corpus
     other = [("100" if a == "200" else a) for a in common]  # another context: other chunks
     assert main([*other, "--kv", "kivi-3", "--add-to"]) == 2  # refused in one line
     assert "--add-to" in capsys.readouterr().err
+
+
+def test_ppl_vs_bits_panels_are_titled_by_protocol(tmp_path, monkeypatch):
+    # each panel says which protocol it shows, whatever the caches plotted in it are called
+    from kvsqueeze.eval import report
+
+    col = {"full": {"ppl": 10.0, "kv_bytes": {"bits_per_element": 32.0}},
+           "arts/auto3.0": {"ppl": 10.4, "kv_bytes": {"bits_per_element": 3.0}},
+           "quanto": {"ppl": 11.0, "kv_bytes": {"bits_per_element": 5.0}}}
+    res = {"caches": [{"name": "full", "kind": "preset"}, {"name": "arts/auto3.0", "kind": "preset"},
+                      {"name": "quanto", "kind": "peer"}],
+           "ppl": {"decode": col, "window": dict(col), "all-quantized": dict(col)}}
+    titles = []
+    monkeypatch.setattr(report, "_savefig", lambda fig, path: titles.extend(a.get_title() for a in fig.axes))
+    assert report.plot_ppl_vs_bits(res, tmp_path / "p.png") == tmp_path / "p.png"
+    assert titles == ["decode protocol (all caches)", "window protocol (kvsqueeze)",
+                      "all-quantized protocol (kvsqueeze, vLLM)"]

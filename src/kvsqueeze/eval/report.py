@@ -357,8 +357,8 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bit
             peer = kinds.get(name) == "peer"
             ax.scatter([bits], [d], marker="^" if peer else "o", s=45, color="tab:red" if peer else "tab:blue",
                        zorder=3)
-            label = Path(name).name if "/" in name else name  # an artifact directory: its name
-            ax.annotate(label, (bits, d), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            point = Path(name).name if "/" in name else name  # an artifact directory: its name
+            ax.annotate(point, (bits, d), fontsize=7, xytext=(3, 3), textcoords="offset points")
         front = pareto_front(pts)
         if len(front) > 1:
             ax.plot(*zip(*front), "--", color="gray", lw=1, zorder=2, label="Pareto front")
