@@ -58,7 +58,19 @@ CASES: dict[str, Case] = {}
 for _s in FORMATS:
     CASES[f"{_s} gqa padding"] = Case(_s, mask="padding")
     CASES[f"{_s} 3 new"] = Case(_s, new=3)
-for _s in ("kivi-4", "kivi-2-sink4", "int8", "rot-3"):
+# 3-bit codes are read through the 4-bit paths (repacked per work item): symmetric ones shifted onto the 4-bit
+# centre, per-token keys of one group per row (the integer key path), values whose groups span 8 packing units
+SYM3 = ('{"key": {"fmt": "int", "bits": 3, "axis": "channel", "group": 32, "symmetric": true}, "value": {"fmt": '
+        '"int", "bits": 3, "axis": "token", "group": 16, "symmetric": true}, "window": 32, "sinks": 2}')
+for _s in (SYM3, "k3t-v3t16", "k3t64-v3c32-w32"):
+    CASES[f"{_s} gqa padding"] = Case(_s, mask="padding")
+    CASES[f"{_s} 3 new"] = Case(_s, new=3)
+for _s in ("k3t-v3t32", "kivi-3"):
+    CASES[f"{_s} head_dim 128"] = Case(_s, batch=1, q_heads=2, head_dim=128, steps=1)
+for _s in ("k3t-v3t8", "k3c32-v3t8-w32"):  # a head_dim the kernel is not compiled for: the generic 3-bit unpacking
+    CASES[f"{_s} head_dim 40"] = Case(_s, batch=1, q_heads=2, head_dim=40, steps=1, triton=False)
+CASES["kivi-3 gemma shape"] = Case("kivi-3", kv_heads=1, q_heads=4, head_dim=256, stored=333, steps=2)
+for _s in ("kivi-4", "kivi-2-sink4", "int8", "rot-3", "kivi-3"):
     CASES[f"{_s} prefill 20 over history"] = Case(_s, new=20, mask="padding", stored=200)
 for _n in (1, 3, 31, 32, 33, 127, 128, 129, 160, 161, 257, 300):
     for _s in ("kivi-2-sink4", "int4", "k3c32-v3t32-w32-s5"):

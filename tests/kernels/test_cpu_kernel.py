@@ -8,6 +8,7 @@ We assert atol 5e-5 for float32 caches and 2e-2 relative for fp16/bf16 models (o
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -91,6 +92,33 @@ def test_stored_run_refuses_a_plan_it_does_not_fit():
         ext.read_run(kp.native(ext, 64), 64)
 
 
+@pytest.mark.parametrize("spec", ["kivi-3", "k3t-v3t32"])
+def test_3bit_rows_with_gaps_between_them_read_the_same(spec):
+    """A work item's 3-bit rows are repacked to 4-bit ones as one run where they lie back to back (a block's codes),
+    row by row where they do not: codes viewed in a wider buffer give the same outputs, bit for bit."""
+    layer = filled_layer(spec, batch=2, kv_heads=2, stored=600, new=1)
+    ext = cpu.load_extension()
+    q = query_for(layer, 6, 1)
+    kp = cpu.kernel_plan(layer.plan(), None, 0.125)
+    want = ext.attend(q, kp.native(ext, 64), cpu.CHUNK_TOKENS)
+
+    def with_gaps(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = list(parts)
+        for i, t in enumerate(parts):
+            if i % 3 == 0 and t.dtype == torch.uint8:  # codes (keys, values): rows 5 bytes apart from each other
+                wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 5, dtype=t.dtype)
+                wide[..., :t.shape[-1]] = t
+                out[i] = wide[..., :t.shape[-1]]
+        assert any(o.dtype == torch.uint8 and o.stride(2) != o.shape[-1] for o in out)
+        return out
+
+    kp.head = dataclasses.replace(kp.head, plan=dataclasses.replace(kp.head.plan, parts=with_gaps(kp.head.plan.parts)),
+                                  natives={})  # (a copy: the layer's plan keeps its own)
+    got = ext.attend(q, kp.native(ext, 64), cpu.CHUNK_TOKENS)
+    assert torch.equal(got, want)
+    assert_matches_reference(cpu.attend, layer, 6, 1)
+
+
 def test_long_steps_use_the_multi_query_kernel():  # its own tests: test_cpu_multiquery.py
     layer = filled_layer("kivi-2", batch=1, kv_heads=2, stored=200, new=cpu.MAX_QUERIES + 4)
     assert_matches_reference(cpu.attend, layer, 4, cpu.MAX_QUERIES + 4)
@@ -139,7 +167,7 @@ def test_greedy_generation_matches_reference_mixed_sliding_batch(tiny_mixed_slid
 # multiple of 16 packing units or exactly 8 (two halves of a vector) are served, the rest take the float path.
 # 8-bit codes are not: the weights' rounding measured 3% of int8's own (small) error, for 6% of its layer's time.
 INT_VALUE_CASES = [(4, 32, True), (4, 64, True), (4, 16, True), (2, 32, True), (2, 64, True), (2, 16, False),
-                   (4, 8, False), (8, 64, False)]
+                   (4, 8, False), (8, 64, False), (3, 32, True), (3, 16, True), (3, 8, False)]  # 3-bit: as 4-bit
 
 
 @pytest.mark.parametrize("bits, group, served", INT_VALUE_CASES)
@@ -168,7 +196,8 @@ def test_integer_values_add_a_small_share_of_the_quantization_error(bits, group,
         assert diff <= 2e-5
 
 
-@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int8", "int4", "int2", "k8c32-v8t32", "k4c16-v4t64"])
+@pytest.mark.parametrize("spec", ["kivi-4", "kivi-2", "int8", "int4", "int2", "k8c32-v8t32", "k4c16-v4t64", "kivi-3",
+                                  "k3t-v3t", "k3c16-v3t64"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_integer_scores_add_a_small_share_of_the_quantization_error(spec, head_dim):
     """The bound of the integer key path: against attention over the unquantized K/V, the kernel's error is the
@@ -176,6 +205,6 @@ def test_integer_scores_add_a_small_share_of_the_quantization_error(spec, head_d
     keys, AVX2)."""
     layer, diff, own = kernel_and_own_error(spec, head_dim)
     assert diff <= 0.03 * own
-    per_token_whole_row = spec in ("int8", "int4", "int2") and head_dim == 64  # one group of 64 per row
+    per_token_whole_row = spec in ("int8", "int4", "int2", "k3t-v3t") and head_dim == 64  # one group of 64 per row
     if cpu.selected_isa() != "generic" and (spec.startswith("k") or per_token_whole_row):
         assert cpu.integer_scores(layer.plan())  # the case is really on the integer path

@@ -249,8 +249,8 @@ COMPILED_HEAD_DIMS = (64, 128, 256)
 
 def integer_scores(plan: SegmentPlan) -> bool:
     """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
-    2/4/8-bit codes, per-channel groups of a multiple of the vector width or one per-token group per row;
-    ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path, decode steps of up to 64 query rows
+    2/3/4/8-bit codes (3-bit read as 4-bit), per-channel groups of a multiple of the vector width or one per-token
+    group per row; ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path, decode steps of up to 64 query rows
     per KV head): their query is rounded to about 15 bits (rotated keys: levels and query to 13-14 bits plus sign),
     so results differ from the reference by a bounded amount rather than by float32 rounding (tests/kernels: within
     INT_DOT_ATOL on O(1) outputs, and a small share of the format's own error)."""
@@ -262,16 +262,23 @@ def integer_key_format(fmt: StorageFormat | None) -> bool:
     isa = selected_isa()
     if fmt is not None and fmt.kind == "rot":  # _csrc/codebook_int.h: int16 levels and query
         return _integer_rotated(fmt)
-    if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 4, 8):
+    if fmt is None or isa == "generic" or fmt.kind != "int" or not fmt.plain or fmt.bits not in (2, 3, 4, 8):
         return False
     if fmt.head_dim not in COMPILED_HEAD_DIMS:  # other head_dims take the kernel's generic float path
         return False
     vw, ib = (16, 64) if isa.startswith("avx512") else (8, 32)
-    cb = ib // 2 if fmt.bits == 8 else ib
-    rby = fmt.head_dim * fmt.bits // 8
+    bits = _read_bits(fmt)
+    cb = ib // 2 if bits == 8 else ib
+    rby = fmt.head_dim * bits // 8
     if not (cb % rby == 0 or rby % cb == 0) or (cb > rby and cb // rby > min(vw, 8)):
         return False
     return fmt.group == fmt.head_dim if fmt.axis == "token" else fmt.group % vw == 0
+
+
+def _read_bits(fmt: StorageFormat) -> int:
+    """The code width the kernel reads a side at: 3-bit rows are repacked to 4-bit ones per work item
+    (``_csrc/formats.h`` as_nibbles), so they take the 4-bit paths."""
+    return 4 if fmt.bits == 3 else fmt.bits
 
 
 def _integer_rotated(fmt: StorageFormat) -> bool:
@@ -282,8 +289,8 @@ def _integer_rotated(fmt: StorageFormat) -> bool:
 
 def integer_values(plan: SegmentPlan) -> bool:
     """Whether the selected path weights this plan's stored values by int16 dot products (``_csrc/int_values.h``,
-    the AVX-512 VNNI builds: 2/4-bit per-token codes whose groups span 8 or a multiple of 16 packing units;
-    ``_csrc/codebook_int.h``: rotated codebook values in decode steps on the avx512-vbmi path, their levels rounded
+    the AVX-512 VNNI builds: 2/3/4-bit per-token codes (3-bit read as 4-bit) whose groups span 8 or a multiple of
+    16 packing units; ``_csrc/codebook_int.h``: rotated codebook values in decode steps on the avx512-vbmi path, their levels rounded
     to 12 bits plus sign): each query row's weights p * scale are rounded to 16 bits per work item, so results differ
     from the reference by a bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share of
     the format's own error) rather than by float32 rounding."""
@@ -296,9 +303,9 @@ def integer_value_format(fmt: StorageFormat | None) -> bool:
         return _integer_rotated(fmt)
     if fmt is None or not selected_isa().startswith("avx512") or fmt.kind != "int" or not fmt.plain:
         return False
-    if fmt.bits not in (2, 4) or fmt.axis != "token" or fmt.head_dim not in COMPILED_HEAD_DIMS:
+    if fmt.bits not in (2, 3, 4) or fmt.axis != "token" or fmt.head_dim not in COMPILED_HEAD_DIMS:
         return False
-    per = 8 // fmt.bits  # codes per byte; a vector holds 16 bytes' codes
+    per = 8 // _read_bits(fmt)  # codes per byte; a vector holds 16 bytes' codes
     if (fmt.head_dim // per) % 16 or fmt.group % per or fmt.head_dim // fmt.group > 16:
         return False
     span = fmt.group // per

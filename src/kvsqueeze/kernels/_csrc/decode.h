@@ -22,12 +22,16 @@ struct Ctx {
 struct Scratch {
   std::vector<float> kbuf, vbuf, tmp, qa, qc, s, accp, pa, pc, wt;
   std::vector<int16_t> wq;  // int_values.h: 4 rows' int16 weights per group (codebook_int.h: per row)
+  std::vector<uint8_t> nib;  // a 3-bit side's rows of one segment as 4-bit codes (as_nibbles), padded for wide loads
   Scratch(int D, int64_t R, int64_t chunk)
       : kbuf(TILE * D + PAD_FLOATS), vbuf(TILE * D + PAD_FLOATS), tmp(4 * D), qa(R * D), qc(R), s(R * chunk), accp(D),
-        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16) {
+        pa(chunk * 16 + 16), pc(chunk * 16 + 16), wt(6 * chunk + 16), nib(chunk * D / 2 + 64) {
 #if defined(KVSQ_INT_VALUES)
     wq.resize(4 * INT_VALUES_MAX_GROUPS * (chunk + 2));
 #endif
+  }
+  Side nibbles(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, bool centre) {
+    return as_nibbles(sd, b, h, t0, n, D, nib.data(), nib.data() + nib.size(), centre);
   }
 };
 
@@ -54,30 +58,32 @@ void segment_scores(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
     }
   }
   const ValueAhead ahead(sg.v, b, h, t0);
+  // 3-bit codes through the 4-bit paths (as_nibbles)
+  const Side key = DT > 0 && is_int3(sg.k) ? sc.nibbles(sg.k, b, h, t0, n, D, false) : sg.k;
   // scores: integer dot products where the build and the key format allow, else the float fast path, else generic
   bool fast_k = false;
 #if defined(KVSQ_INT_DOT)
-  fast_k = try_int_scores<DT>(sg.k, b, h, t0, n, qs, qn, R, s, chunk, tp.A, tp.C, kpm.chan.data(), ahead);
+  fast_k = try_int_scores<DT>(key, b, h, t0, n, qs, qn, R, s, chunk, tp.A, tp.C, kpm.chan.data(), ahead);
 #endif
-  if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(sg.k, b, h, t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
+  if (!fast_k) fast_k = DT > 0 && try_fast_scores<DT>(key, b, h, t0, n, qs, R, s, chunk, kpm.unit_group.data(), tp);
   if (!fast_k && DT > 0)  // rotated codebook keys: levels in registers (codebook_fast.h)
-    fast_k = try_cb_scores<DT>(sg.k, b, h, t0, n, qn, R, s, chunk, tp.A);
+    fast_k = try_cb_scores<DT>(key, b, h, t0, n, qn, R, s, chunk, tp.A);
   if (fast_k) {
-  } else if (sg.k.f.kind == INT_CHANNEL) {
+  } else if (key.f.kind == INT_CHANNEL) {
     // s = (q * a_g) . codes + q . c_g: codes are never scaled, the group's parameters go into the query
-    const Fmt& f = sg.k.f;
+    const Fmt& f = key.f;
     float* a = sc.tmp.data();
     float* c = a + D;
     float* qa = sc.qa.data();
     int64_t cur = -1;
     for (int u0 = 0; u0 < n; u0 += TILE) {
       const int nt = std::min(TILE, n - u0);
-      unpack_rows<DT>(f.bits, sg.k.x, b, h, t0 + u0, nt, sc.kbuf.data(), D);
+      unpack_rows<DT>(f.bits, key.x, b, h, t0 + u0, nt, sc.kbuf.data(), D);
       for (int t = 0; t < nt; ++t) {
         const int64_t grow = (t0 + u0 + t) / f.group;
         if (grow != cur) {
           cur = grow;
-          channel_params(sg.k, b, h, grow, kpm.chan.data(), D, a, c);
+          channel_params(key, b, h, grow, kpm.chan.data(), D, a, c);
           for (int64_t r = 0; r < R; ++r) {
             float cs = 0.f;
 #pragma omp simd reduction(+ : cs)
@@ -96,7 +102,7 @@ void segment_scores(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
     for (int u0 = 0; u0 < n; u0 += TILE) {
       const int nt = std::min(TILE, n - u0);
       int64_t ks;
-      const float* kp = decode_rows<DT>(sg.k, b, h, t0 + u0, nt, D, sc.kbuf.data(), ks, sc.tmp.data(), kpm);
+      const float* kp = decode_rows<DT>(key, b, h, t0 + u0, nt, D, sc.kbuf.data(), ks, sc.tmp.data(), kpm);
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = qs + r * D;
         float* sr = s + r * chunk + u0;
@@ -114,17 +120,19 @@ bool segment_values(const Ctx& cx, const Seg& sg, int64_t b, int64_t h, int64_t 
   const int D = DT ? DT : cx.D;
   const int64_t R = cx.R, W = cx.W, chunk = cx.chunk;
   const Perm& vpm = (*cx.vperm)[sg.fmt];
+  // 3-bit codes through the 4-bit paths, centred on the 4-bit middle (as_nibbles)
+  const Side val = DT > 0 && is_int3(sg.v) ? sc.nibbles(sg.v, b, h, t0, n, D, true) : sg.v;
   bool fast_v = false;
 #if defined(KVSQ_INT_VALUES)
-  fast_v = DT > 0 && try_int_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, tp, sc.wq.data());
+  fast_v = DT > 0 && try_int_values<DT>(val, b, h, t0, n, p, chunk, R, acc, W, tp, sc.wq.data());
 #endif
   fast_v = fast_v ||
-           (DT > 0 && (try_fast_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, vpm.unit_group.data(), tp) ||
-                       try_cb_values<DT>(sg.v, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A, sc.wq.data())));
+           (DT > 0 && (try_fast_values<DT>(val, b, h, t0, n, p, chunk, R, acc, W, vpm.unit_group.data(), tp) ||
+                       try_cb_values<DT>(val, b, h, t0, n, p, chunk, R, acc, W, sc.qa.data(), tp.A, sc.wq.data())));
   for (int u0 = 0; u0 < (fast_v ? 0 : n); u0 += TILE) {
     const int nt = std::min(TILE, n - u0);
     int64_t vs;
-    const float* vp = decode_rows<DT>(sg.v, b, h, t0 + u0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
+    const float* vp = decode_rows<DT>(val, b, h, t0 + u0, nt, D, sc.vbuf.data(), vs, sc.tmp.data(), vpm);
     for (int64_t r = 0; r < R; ++r) axpy_rows<DT>(acc + r * W, p + r * chunk + u0, vp, vs, nt, D);
   }
   return fast_v;

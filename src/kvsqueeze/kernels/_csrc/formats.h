@@ -15,8 +15,9 @@ struct Part {  // a [B, H, rows, X] tensor, last dim contiguous; strides in byte
   const char* ptr = nullptr;
   const char* end = nullptr;  // one past the last byte of its storage: how far a wide load may read
   int64_t sb = 0, sh = 0, sr = 0;
+  int64_t r0 = 0;  // the row ptr points at (a scratch copy of rows [r0, ...): as_nibbles)
   at::ScalarType dt = at::kFloat;
-  const char* row(int64_t b, int64_t h, int64_t r) const { return ptr + b * sb + h * sh + r * sr; }
+  const char* row(int64_t b, int64_t h, int64_t r) const { return ptr + b * sb + h * sh + (r - r0) * sr; }
 };
 
 Part make_part(const at::Tensor& t) {
@@ -46,6 +47,7 @@ __attribute__((always_inline)) inline float ld(at::ScalarType dt, const char* p,
 
 struct Fmt {
   int kind = FP, bits = 8, group = 1, sym = 0, fp8 = 0, fixed = 0;
+  int shift = 0;  // integer codes stored plus this (as_nibbles: 3-bit codes as 4-bit ones); never from Python
 };
 // A side's format from the six ints kernels/cpu.py writes for it (_fmt)
 inline Fmt read_fmt(const int64_t* fm) {
@@ -85,6 +87,118 @@ void init_luts() {
   done = true;
 }
 
+// 3-bit integer codes (8 per 3 bytes, code k of a unit at bit 3k) are read as 4-bit ones: a row repacked to one
+// nibble per code (byte j: codes 2j and 2j + 1) goes through every 4-bit path (the generic one, the float and integer
+// fast paths; before, 3-bit sides had only the generic path and decoded at half the speed of `full`), so the 3-bit
+// field-major order is the 4-bit one (codes_per_unit).  16 codes at a time: the low 48 bits of x to 64.
+inline uint64_t spread3(uint64_t x) {
+#if defined(__AVX512F__) && defined(__BMI2__)  // one instruction on AVX-512 CPUs (microcoded, slow, on Zen 1/2)
+  return _pdep_u64(x, 0x7777777777777777ull);
+#else
+  x = (x & 0xFFFFFFull) | ((x & 0xFFFFFF000000ull) << 8);                       // 24-bit halves to 32
+  x = (x & 0x00000FFF00000FFFull) | ((x & 0x00FFF00000FFF000ull) << 4);         // 12-bit quarters to 16
+  x = (x & 0x003F003F003F003Full) | ((x & 0x0FC00FC00FC00FC0ull) << 2);         // 6-bit pairs to bytes
+  return (x & 0x0707070707070707ull) | ((x & 0x3838383838383838ull) << 1);      // 3-bit codes to nibbles
+#endif
+}
+
+// ``units`` 6-byte units of 3-bit codes (16 codes each, a contiguous run of rows) as 8-byte units of nibbles, ``bias``
+// added to every nibble.  Vector builds place each unit in a 64-bit lane (a dword permute, then a byte shuffle
+// within 128-bit lanes) and spread all lanes at once with spread3's four shift-and-mask steps; never reads past the
+// run (masked loads, a scalar tail).
+#if defined(__AVX2__)
+template <class V, class S64, class Shl, class And, class Or>
+inline V spread3_lanes(V x, S64 set1, Shl shl, And band, Or bor) {
+  x = bor(band(x, set1(0xFFFFFFll)), band(shl.template operator()<8>(x), set1(0xFFFFFF00000000ll)));
+  x = bor(band(x, set1(0x00000FFF00000FFFll)), band(shl.template operator()<4>(x), set1(0x0FFF00000FFF0000ll)));
+  x = bor(band(x, set1(0x003F003F003F003Fll)), band(shl.template operator()<2>(x), set1(0x3F003F003F003F00ll)));
+  return bor(band(x, set1(0x0707070707070707ll)), band(shl.template operator()<1>(x), set1(0x7070707070707070ll)));
+}
+#endif
+
+inline void repack3_run(const uint8_t* __restrict src, uint8_t* __restrict dst, int64_t units, uint64_t bias) {
+  int64_t u = 0;
+#if defined(__AVX512BW__)
+  {
+    const __m512i perm = _mm512_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11);
+    const __m512i shuf = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1));
+    const __m512i vb = _mm512_set1_epi64(static_cast<long long>(bias));
+    auto set1 = [](long long m) { return _mm512_set1_epi64(m); };
+    auto band = [](__m512i a, __m512i b) { return _mm512_and_si512(a, b); };
+    auto bor = [](__m512i a, __m512i b) { return _mm512_or_si512(a, b); };
+    auto shl = []<int S>(__m512i a) { return _mm512_slli_epi64(a, S); };
+#if defined(__AVX512VBMI__)
+    // a byte permute puts unit j in lane j, a multishift takes byte k of a lane from its bits [6k, 6k + 8) (codes
+    // 2k and 2k + 1 at bits 0-2 and 3-5), and the second code moves up a bit: 7 instructions, not 17
+    const __m512i bperm = _mm512_set_epi8(47, 46, 47, 46, 45, 44, 43, 42, 41, 40, 41, 40, 39, 38, 37, 36, 35, 34, 35,
+                                          34, 33, 32, 31, 30, 29, 28, 29, 28, 27, 26, 25, 24, 23, 22, 23, 22, 21, 20,
+                                          19, 18, 17, 16, 17, 16, 15, 14, 13, 12, 11, 10, 11, 10, 9, 8, 7, 6, 5, 4, 5,
+                                          4, 3, 2, 1, 0);
+    const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600ll);  // byte k: 6k
+    const __m512i low = _mm512_set1_epi8(0x07), keep = _mm512_set1_epi8(0x77);
+    auto spread = [&](__m512i x) {
+      const __m512i z = _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(bperm, x));
+      // bits 0-2 from z, 4-6 from z + z (z's bits 3-5 moved up one), then bits 3 and 7 cleared
+      const __m512i w = _mm512_ternarylogic_epi64(low, z, _mm512_add_epi8(z, z), 0xCA);
+      return _mm512_add_epi64(_mm512_and_si512(w, keep), vb);
+    };
+#else
+    auto spread = [&](__m512i x) {
+      return _mm512_add_epi64(spread3_lanes(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, x), shuf), set1, shl,
+                                            band, bor), vb);
+    };
+#endif
+    for (; u + 11 <= units; u += 8)  // a full 64-byte load stays within the run (masked accesses cost more)
+      _mm512_storeu_si512(dst + 8 * u, spread(_mm512_loadu_si512(src + 6 * u)));
+    for (; u < units; u += 8) {
+      const int64_t m = std::min<int64_t>(8, units - u);
+      const __m512i z = spread(_mm512_maskz_loadu_epi8((1ull << (6 * m)) - 1, src + 6 * u));
+      _mm512_mask_storeu_epi64(dst + 8 * u, static_cast<__mmask8>((1u << m) - 1), z);
+    }
+    return;
+  }
+#elif defined(__AVX2__)
+  {
+    const __m256i perm = _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5);
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1,
+                                          0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1);
+    const __m256i load6 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);  // 24 bytes: 4 units
+    const __m256i vb = _mm256_set1_epi64x(static_cast<long long>(bias));
+    auto set1 = [](long long m) { return _mm256_set1_epi64x(m); };
+    auto band = [](__m256i a, __m256i b) { return _mm256_and_si256(a, b); };
+    auto bor = [](__m256i a, __m256i b) { return _mm256_or_si256(a, b); };
+    auto shl = []<int S>(__m256i a) { return _mm256_slli_epi64(a, S); };
+    for (; u + 4 <= units; u += 4) {
+      const __m256i x = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 6 * u), load6);
+      const __m256i y = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(x, perm), shuf);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * u),
+                          _mm256_add_epi64(spread3_lanes(y, set1, shl, band, bor), vb));
+    }
+  }
+#endif
+  for (; u < units; ++u) {  // (a 6-byte memcpy into one word went through the stack and stalled its reload)
+    uint32_t lo;
+    uint16_t hi;
+    std::memcpy(&lo, src + 6 * u, 4);
+    std::memcpy(&hi, src + 6 * u + 4, 2);
+    const uint64_t y = spread3(uint64_t(lo) | (uint64_t(hi) << 32)) + bias;
+    std::memcpy(dst + 8 * u, &y, 8);
+  }
+}
+
+// One row of D 3-bit codes as D / 2 bytes of nibbles, ``bias`` added to every nibble (no carry: codes <= 7, bias
+// 0 or 4).  Reads exactly the row's 3 D / 8 bytes.
+inline void repack3_row(const uint8_t* __restrict src, uint8_t* __restrict dst, int D, uint64_t bias) {
+  const int n16 = D / 16;
+  repack3_run(src, dst, n16, bias);
+  if (D % 16) {  // a last unit of 8 codes
+    const uint8_t* p = src + 6 * n16;
+    const uint32_t x = uint32_t(p[0]) | (uint32_t(p[1]) << 8) | (uint32_t(p[2]) << 16);
+    const uint32_t y = static_cast<uint32_t>(spread3(x) + bias);
+    std::memcpy(dst + 8 * n16, &y, 4);
+  }
+}
+
 // Codes of one token row, unpacked as float but not yet scaled.  Packed widths come out "field-major": the k-th
 // code of every packing unit first (position k*U + u holds channel u*per + k), which turns unpacking into
 // constant shifts over contiguous bytes that the compiler vectorises; queries and outputs are permuted to match.
@@ -101,16 +215,10 @@ inline void unpack_fm(const uint8_t* __restrict src, float* __restrict dst, int 
 #pragma omp simd
       for (int u = 0; u < U; ++u) o[u] = static_cast<float>((src[u] >> (k * BITS)) & mask);
     }
-  } else if constexpr (BITS == 3) {
-    const int U = D / 8;
-    uint32_t w[64];
-    for (int u = 0; u < U; ++u)
-      w[u] = uint32_t(src[3 * u]) | (uint32_t(src[3 * u + 1]) << 8) | (uint32_t(src[3 * u + 2]) << 16);
-    for (int k = 0; k < 8; ++k) {
-      float* o = dst + k * U;
-#pragma omp simd
-      for (int u = 0; u < U; ++u) o[u] = static_cast<float>((w[u] >> (3 * k)) & 7u);
-    }
+  } else if constexpr (BITS == 3) {  // through the 4-bit order (codes_per_unit)
+    uint8_t nib[256];  // D <= 512
+    repack3_row(src, nib, D, 0);
+    unpack_fm<4, DT>(nib, dst, D);
   } else {
 #pragma omp simd
     for (int j = 0; j < D; ++j) dst[j] = static_cast<float>(src[j]);
@@ -132,10 +240,41 @@ inline void unpack_rows(int bits, const Part& x, int64_t b, int64_t h, int64_t t
   }
 }
 
+// codes per packing unit in the order rows are read (3-bit rows as 4-bit ones: repack3_row)
 inline int codes_per_unit(const Fmt& f) {
   if (f.kind != INT_TOKEN && f.kind != INT_CHANNEL) return 1;
-  return (f.bits == 1 || f.bits == 2 || f.bits == 4) ? 8 / f.bits : (f.bits == 3 ? 8 : 1);
+  return (f.bits == 1 || f.bits == 2 || f.bits == 4) ? 8 / f.bits : (f.bits == 3 ? 2 : 1);
 }
+
+// Rows [t0, t0 + n) of a 3-bit integer side repacked into buf (n * D / 2 bytes) as 4-bit codes: the side every
+// 4-bit path reads in its place.  Symmetric codes are stored plus 4: centred on 4, they are then symmetric 4-bit
+// codes (centre 8) with the same scale.  Asymmetric ones are shifted the same way where ``centre`` asks (values:
+// the integer value path centres its sums on the 4-bit middle, int_values.h, and unshifted 3-bit codes tripled its
+// rounding error), their zero points less 4 scales (affine_row); keys keep them as they are (the integer scores'
+// rounding error grows with the codes).
+inline Side as_nibbles(const Side& sd, int64_t b, int64_t h, int64_t t0, int n, int D, uint8_t* buf,
+                       const uint8_t* buf_end, bool centre) {
+  const int64_t rb = D / 2;
+  const int shift = centre || sd.f.sym ? 4 : 0;
+  const uint64_t bias = shift ? 0x4444444444444444ull : 0;
+  const uint8_t* first = reinterpret_cast<const uint8_t*>(sd.x.row(b, h, t0));
+  if (sd.x.sr == 3 * D / 8) {  // rows back to back (a block's codes): one run (D is 64, 128 or 256 here)
+    repack3_run(first, buf, int64_t(n) * D / 16, bias);
+  } else {
+    for (int t = 0; t < n; ++t) repack3_run(first + t * sd.x.sr, buf + t * rb, D / 16, bias);
+  }
+  Side out = sd;
+  out.f.bits = 4;
+  out.f.shift = sd.f.sym ? 0 : shift;
+  out.x.ptr = reinterpret_cast<const char*>(buf);
+  out.x.end = reinterpret_cast<const char*>(buf_end);
+  out.x.sb = out.x.sh = 0;
+  out.x.sr = rb;
+  out.x.r0 = t0;
+  return out;
+}
+
+inline bool is_int3(const Side& sd) { return (sd.f.kind == INT_TOKEN || sd.f.kind == INT_CHANNEL) && sd.f.bits == 3; }
 
 struct Perm {  // field-major order of one format
   std::vector<int> chan;   // channel held at each position
@@ -249,7 +388,9 @@ inline void affine_row(const Side& sd, const char* sr, const char* zr, int n, fl
   load_row(sd.scale.dt, sr, n, a);
   if (!f.sym) {
     load_row(sd.zero.dt, zr, n, c);
-  } else {
+    if (f.shift)
+      for (int i = 0; i < n; ++i) c[i] -= static_cast<float>(f.shift) * a[i];
+  } else {  // (a shifted symmetric side's centre is its read width's: as_nibbles)
     const float m = f.bits == 1 ? -1.f : -static_cast<float>(1 << (f.bits - 1));
     for (int i = 0; i < n; ++i) c[i] = m * a[i];
     if (f.bits == 1)
