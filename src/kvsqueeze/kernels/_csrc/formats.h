@@ -103,51 +103,42 @@ inline uint64_t spread3(uint64_t x) {
 }
 
 // ``units`` 6-byte units of 3-bit codes (16 codes each, a contiguous run of rows) as 8-byte units of nibbles, ``bias``
-// added to every nibble.  Vector builds place each unit in a 64-bit lane (a dword permute, then a byte shuffle
-// within 128-bit lanes) and spread all lanes at once with spread3's four shift-and-mask steps; never reads past the
-// run (masked loads, a scalar tail).
-#if defined(__AVX2__)
-template <class V, class S64, class Shl, class And, class Or>
-inline V spread3_lanes(V x, S64 set1, Shl shl, And band, Or bor) {
-  x = bor(band(x, set1(0xFFFFFFll)), band(shl.template operator()<8>(x), set1(0xFFFFFF00000000ll)));
-  x = bor(band(x, set1(0x00000FFF00000FFFll)), band(shl.template operator()<4>(x), set1(0x0FFF00000FFF0000ll)));
-  x = bor(band(x, set1(0x003F003F003F003Fll)), band(shl.template operator()<2>(x), set1(0x3F003F003F003F00ll)));
-  return bor(band(x, set1(0x0707070707070707ll)), band(shl.template operator()<1>(x), set1(0x7070707070707070ll)));
-}
-#endif
-
+// added to every nibble; never reads past the run (masked loads, a scalar tail).  Output byte j holds the 6-bit field
+// at bit 6j (codes 2j and 2j + 1); with VBMI a byte permute and a multishift take it out directly.  Other vector
+// builds give each 16-bit word w (bytes 2w, 2w + 1) the two source bytes holding its 12-bit field (at bit 12w: a
+// dword permute, then a byte shuffle within 128-bit lanes), align the fields of even and odd words by one multiply,
+// and split each into its two 6-bit fields with two shifts.  Either way the 6-bit field f (3-bit codes lo, hi) becomes
+// the nibbles lo | hi << 4 as f + (f & 0x38).
 inline void repack3_run(const uint8_t* __restrict src, uint8_t* __restrict dst, int64_t units, uint64_t bias) {
   int64_t u = 0;
 #if defined(__AVX512BW__)
   {
-    const __m512i perm = _mm512_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11);
-    const __m512i shuf = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1));
-    const __m512i vb = _mm512_set1_epi64(static_cast<long long>(bias));
-    auto set1 = [](long long m) { return _mm512_set1_epi64(m); };
-    auto band = [](__m512i a, __m512i b) { return _mm512_and_si512(a, b); };
-    auto bor = [](__m512i a, __m512i b) { return _mm512_or_si512(a, b); };
-    auto shl = []<int S>(__m512i a) { return _mm512_slli_epi64(a, S); };
+    const __m512i vb = _mm512_set1_epi64(static_cast<long long>(bias)), hi3 = _mm512_set1_epi8(0x38);
 #if defined(__AVX512VBMI__)
-    // a byte permute puts unit j in lane j, a multishift takes byte k of a lane from its bits [6k, 6k + 8) (codes
-    // 2k and 2k + 1 at bits 0-2 and 3-5), and the second code moves up a bit: 7 instructions, not 17
     const __m512i bperm = _mm512_set_epi8(47, 46, 47, 46, 45, 44, 43, 42, 41, 40, 41, 40, 39, 38, 37, 36, 35, 34, 35,
                                           34, 33, 32, 31, 30, 29, 28, 29, 28, 27, 26, 25, 24, 23, 22, 23, 22, 21, 20,
                                           19, 18, 17, 16, 17, 16, 15, 14, 13, 12, 11, 10, 11, 10, 9, 8, 7, 6, 5, 4, 5,
-                                          4, 3, 2, 1, 0);
-    const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600ll);  // byte k: 6k
-    const __m512i low = _mm512_set1_epi8(0x07), keep = _mm512_set1_epi8(0x77);
-    auto spread = [&](__m512i x) {
-      const __m512i z = _mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(bperm, x));
-      // bits 0-2 from z, 4-6 from z + z (z's bits 3-5 moved up one), then bits 3 and 7 cleared
-      const __m512i w = _mm512_ternarylogic_epi64(low, z, _mm512_add_epi8(z, z), 0xCA);
-      return _mm512_add_epi64(_mm512_and_si512(w, keep), vb);
+                                          4, 3, 2, 1, 0);  // 64-bit lane j: unit j
+    const __m512i shifts = _mm512_set1_epi64(0x2A241E18120C0600ll);  // byte k of a lane: its bits [6k, 6k + 8)
+    const __m512i six = _mm512_set1_epi8(0x3F);
+    auto fields = [&](__m512i x) {
+      return _mm512_and_si512(_mm512_multishift_epi64_epi8(shifts, _mm512_permutexvar_epi8(bperm, x)), six);
     };
 #else
-    auto spread = [&](__m512i x) {
-      return _mm512_add_epi64(spread3_lanes(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, x), shuf), set1, shl,
-                                            band, bor), vb);
+    const __m512i perm = _mm512_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11);
+    const __m512i shuf = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11));
+    const __m512i align = _mm512_set1_epi32(0x00010010);  // even words x 16, odd x 1: fields at bits 4-15
+    const __m512i lo6 = _mm512_set1_epi16(0x003F), hi6 = _mm512_set1_epi16(0x3F00);
+    auto fields = [&](__m512i x) {
+      const __m512i m = _mm512_mullo_epi16(_mm512_shuffle_epi8(_mm512_permutexvar_epi32(perm, x), shuf), align);
+      return _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(m, 4), lo6),
+                             _mm512_and_si512(_mm512_srli_epi16(m, 2), hi6));
     };
 #endif
+    auto spread = [&](__m512i x) {
+      const __m512i f = fields(x);
+      return _mm512_add_epi64(_mm512_add_epi8(f, _mm512_and_si512(f, hi3)), vb);
+    };
     for (; u + 11 <= units; u += 8)  // a full 64-byte load stays within the run (masked accesses cost more)
       _mm512_storeu_si512(dst + 8 * u, spread(_mm512_loadu_si512(src + 6 * u)));
     for (; u < units; u += 8) {
@@ -160,20 +151,24 @@ inline void repack3_run(const uint8_t* __restrict src, uint8_t* __restrict dst, 
 #elif defined(__AVX2__)
   {
     const __m256i perm = _mm256_setr_epi32(0, 1, 2, 2, 3, 4, 5, 5);
-    const __m256i shuf = _mm256_setr_epi8(0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1,
-                                          0, 1, 2, 3, 4, 5, -1, -1, 6, 7, 8, 9, 10, 11, -1, -1);
+    const __m256i shuf = _mm256_setr_epi8(0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11,
+                                          0, 1, 1, 2, 3, 4, 4, 5, 6, 7, 7, 8, 9, 10, 10, 11);
+    const __m256i align = _mm256_set1_epi32(0x00010010);  // even words x 16, odd x 1: fields at bits 4-15
+    const __m256i lo6 = _mm256_set1_epi16(0x003F), hi6 = _mm256_set1_epi16(0x3F00), hi3 = _mm256_set1_epi8(0x38);
     const __m256i load6 = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);  // 24 bytes: 4 units
     const __m256i vb = _mm256_set1_epi64x(static_cast<long long>(bias));
-    auto set1 = [](long long m) { return _mm256_set1_epi64x(m); };
-    auto band = [](__m256i a, __m256i b) { return _mm256_and_si256(a, b); };
-    auto bor = [](__m256i a, __m256i b) { return _mm256_or_si256(a, b); };
-    auto shl = []<int S>(__m256i a) { return _mm256_slli_epi64(a, S); };
-    for (; u + 4 <= units; u += 4) {
-      const __m256i x = _mm256_maskload_epi32(reinterpret_cast<const int*>(src + 6 * u), load6);
-      const __m256i y = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(x, perm), shuf);
+    auto spread = [&](__m256i x) {
+      const __m256i m = _mm256_mullo_epi16(_mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(x, perm), shuf), align);
+      const __m256i f = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(m, 4), lo6),
+                                        _mm256_and_si256(_mm256_srli_epi16(m, 2), hi6));
+      return _mm256_add_epi64(_mm256_add_epi8(f, _mm256_and_si256(f, hi3)), vb);
+    };
+    for (; u + 6 <= units; u += 4)  // a full 32-byte load stays within the run
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * u),
-                          _mm256_add_epi64(spread3_lanes(y, set1, shl, band, bor), vb));
-    }
+                          spread(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 6 * u))));
+    for (; u + 4 <= units; u += 4)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8 * u),
+                          spread(_mm256_maskload_epi32(reinterpret_cast<const int*>(src + 6 * u), load6)));
   }
 #endif
   for (; u < units; ++u) {  // (a 6-byte memcpy into one word went through the stack and stalled its reload)
