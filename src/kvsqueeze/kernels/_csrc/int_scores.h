@@ -11,6 +11,7 @@
 //                  summed: one int8 part alone added ~20% to the 4-bit keys' own score error (measured against the
 //                  reference), two add ~0.1%, one int16 part the same as two;
 //   8-bit codes:   codes widened to int16 x int16 query (vpdpwssd; AVX2: vpmaddwd), so the query keeps 15 bits.
+//   3-bit codes arrive as 4-bit ones (decode.h repacks a work item's rows: formats.h as_nibbles).
 // Integer lane sums are exact; a block of VW tokens is reduced to VW scores at once (reduce_tokens) and scaled:
 //   per-channel keys, group g:  s_t = sq_g * sum_c qi_c code_tc + sum_c q_c zero_gc       (qi = round(q a_g / sq_g))
 //   per-token keys, one group:  s_t = sq * a_t * sum_c qi_c code_tc + c_t * sum_c q_c     (qi = round(q / sq))

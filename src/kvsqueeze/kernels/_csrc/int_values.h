@@ -10,9 +10,10 @@
 // sum of the weights: acc += sw sum_t wq_t (c_t - mid) + mid sum_t w_t + sum_t p_t c_tg (zero points).  Lane sums are
 // exact; the error added to the reference's is the weights' rounding, |d acc| <= sw_rg / 2 * sum_t |c_t - mid| per
 // channel, half of what uncentred sums gave (tests/kernels bound it).
-// Served: 2/4-bit per-token codes whose vectors (16 packing units) each lie in one group (G / per a multiple of 16:
-// kivi-4's and int4's values) or in two halves of 8 lanes (G / per = 8: kivi-2's groups of 32 at 2 bits), with
-// finite scales and zero points (an inf / NaN one goes to the float path, which gives the reference's result).
+// Served: 2/4-bit per-token codes (3-bit ones repacked to 4-bit, formats.h as_nibbles) whose vectors (16 packing
+// units) each lie in one group (G / per a multiple of 16: kivi-4's and int4's values) or in two halves of 8 lanes
+// (G / per = 8: kivi-2's groups of 32 at 2 bits), with finite scales and zero points (an inf / NaN one goes to the
+// float path, which gives the reference's result).
 #pragma once
 
 #if defined(KVSQ_INT_DOT) && defined(__AVX512F__)
