@@ -249,9 +249,9 @@ COMPILED_HEAD_DIMS = (64, 128, 256)
 
 def integer_scores(plan: SegmentPlan) -> bool:
     """Whether the selected path scores this plan's stored keys by integer dot products (``_csrc/int_scores.h``:
-    2/3/4/8-bit codes (3-bit read as 4-bit), per-channel groups of a multiple of the vector width or one per-token
-    group per row; ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path, decode steps of up to 64 query rows
-    per KV head): their query is rounded to about 15 bits (rotated keys: levels and query to 13-14 bits plus sign),
+    2/3/4/8-bit codes (3-bit read as 4-bit), per-channel groups of a multiple of the vector width or one per-token group
+    per row; ``_csrc/codebook_int.h``: rotated codebook keys on the avx512-vbmi path, decode steps of up to 64 query
+    rows per KV head): their query is rounded to about 15 bits (rotated keys: levels and query to 13-14 bits plus sign),
     so results differ from the reference by a bounded amount rather than by float32 rounding (tests/kernels: within
     INT_DOT_ATOL on O(1) outputs, and a small share of the format's own error)."""
     return integer_key_format(plan.key_format)
@@ -288,12 +288,12 @@ def _integer_rotated(fmt: StorageFormat) -> bool:
 
 
 def integer_values(plan: SegmentPlan) -> bool:
-    """Whether the selected path weights this plan's stored values by int16 dot products (``_csrc/int_values.h``,
-    the AVX-512 VNNI builds: 2/3/4-bit per-token codes (3-bit read as 4-bit) whose groups span 8 or a multiple of
-    16 packing units; ``_csrc/codebook_int.h``: rotated codebook values in decode steps on the avx512-vbmi path, their levels rounded
-    to 12 bits plus sign): each query row's weights p * scale are rounded to 16 bits per work item, so results differ
-    from the reference by a bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share of
-    the format's own error) rather than by float32 rounding."""
+    """Whether the selected path weights this plan's stored values by int16 dot products (``_csrc/int_values.h``, the
+    AVX-512 VNNI builds: 2/3/4-bit per-token codes (3-bit read as 4-bit) whose groups span 8 or a multiple of 16 packing
+    units; ``_csrc/codebook_int.h``: rotated codebook values in decode steps on the avx512-vbmi path, their levels
+    rounded to 12 bits plus sign): each query row's weights p * scale are rounded to 16 bits per work item, so results
+    differ from the reference by a bounded amount (tests/kernels: within INT_DOT_ATOL on O(1) outputs, and a small share
+    of the format's own error) rather than by float32 rounding."""
     return integer_value_format(plan.value_format)
 
 
