@@ -91,15 +91,11 @@ void init_luts() {
 // nibble per code (byte j: codes 2j and 2j + 1) goes through every 4-bit path (the generic one, the float and integer
 // fast paths; before, 3-bit sides had only the generic path and decoded at half the speed of `full`), so the 3-bit
 // field-major order is the 4-bit one (codes_per_unit).  16 codes at a time: the low 48 bits of x to 64.
-inline uint64_t spread3(uint64_t x) {
-#if defined(__AVX512F__) && defined(__BMI2__)  // one instruction on AVX-512 CPUs (microcoded, slow, on Zen 1/2)
-  return _pdep_u64(x, 0x7777777777777777ull);
-#else
+inline uint64_t spread3(uint64_t x) {  // (every unit on the generic build; the vector builds use it for tails)
   x = (x & 0xFFFFFFull) | ((x & 0xFFFFFF000000ull) << 8);                       // 24-bit halves to 32
   x = (x & 0x00000FFF00000FFFull) | ((x & 0x00FFF00000FFF000ull) << 4);         // 12-bit quarters to 16
   x = (x & 0x003F003F003F003Full) | ((x & 0x0FC00FC00FC00FC0ull) << 2);         // 6-bit pairs to bytes
   return (x & 0x0707070707070707ull) | ((x & 0x3838383838383838ull) << 1);      // 3-bit codes to nibbles
-#endif
 }
 
 // ``units`` 6-byte units of 3-bit codes (16 codes each, a contiguous run of rows) as 8-byte units of nibbles, ``bias``
