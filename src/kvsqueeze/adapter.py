@@ -149,13 +149,18 @@ def _triton_packs(x: torch.Tensor) -> bool:
 
 
 def fast_encoder(fmt, x: torch.Tensor, into=None):
-    """The Triton quantize-and-pack where _triton_packs says so; None hands the tokens back to the torch codec.
-    ``into`` (a pooled store's PoolTarget): written into the pool's slots in place."""
-    if not _triton_packs(x):
-        return None
-    from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
+    """The Triton quantize-and-pack where _triton_packs says so, else for CPU tensors the C++ one (bit-identical to
+    the torch codec; ``KVSQUEEZE_CPU_ENCODE=0`` switches it off); None hands the tokens back to the torch codec.
+    ``into`` (a pooled store's PoolTarget): written into the pool's slots in place (Triton only)."""
+    if _triton_packs(x):
+        from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
 
-    return triton_pack.encode(fmt, x, into)
+        return triton_pack.encode(fmt, x, into)
+    if into is None and x.device.type == "cpu" and os.environ.get("KVSQUEEZE_CPU_ENCODE", "") != "0":
+        from .kernels import cpu
+
+        return cpu.encode(fmt, x)
+    return None
 
 
 def ring_encoder(fmt, ring: torch.Tensor, parts: dict, count: torch.Tensor, sinks: int, window: int, group: int,

@@ -122,6 +122,7 @@ def test_codecs_route_to_triton_when_forced(tp, monkeypatch):
 
     spec = "k2c16-v4t16-w16-s2"
     monkeypatch.setenv("KVSQUEEZE_TRITON_ENCODE", "0")
+    monkeypatch.setenv("KVSQUEEZE_CPU_ENCODE", "0")  # the torch encoder itself (not the C++ one) as reference
     ref = stored(spec, "cpu")
     monkeypatch.setattr(tp, "encode", spy)
     assert not calls

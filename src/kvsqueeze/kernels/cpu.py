@@ -243,6 +243,42 @@ def describe(build: bool = True) -> dict:
             "build_dir": str(_build_directory(_build_name(isa))) if ext is not None else None}
 
 
+_PARAM_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ENCODE_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def encode_supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
+    """Whether :func:`encode` takes ``x`` [B, H, T, D] in ``fmt``: CPU tensors in a plain integer format with float
+    zero-points and fp32/fp16/bf16 parameters (not 1-bit symmetric: its scale is a mean), whole packing units per
+    row and, per channel, whole groups of tokens (the torch codec reports a ragged call itself)."""
+    if fmt.kind != "int" or not fmt.plain or fmt.zero_domain != "float" or fmt.param_dtype not in _PARAM_NAMES:
+        return False
+    if (fmt.symmetric and fmt.bits == 1) or x.device.type != "cpu" or x.dtype not in _ENCODE_X_DTYPES:
+        return False
+    if x.dim() != 4 or x.shape[-1] != fmt.head_dim or x.shape[2] == 0 or not fmt.group:
+        return False
+    per = 1 if fmt.bits >= 5 else 8 if fmt.bits == 3 else 8 // fmt.bits
+    within = x.shape[-1] % fmt.group == 0 if fmt.axis == "token" else x.shape[2] % fmt.group == 0
+    return x.shape[-1] % per == 0 and within
+
+
+def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The parts the torch integer codec stores for ``x`` [B, H, T, D] (codes packed as pack_bits packs them,
+    scale and zero in the parameter dtype), bit for bit, by one call of the C++ extension (``_csrc/encode.h``)
+    where the torch codec spends ~75 small tensor operations; None where :func:`encode_supports` says no or the
+    extension is not built here (the caller keeps the torch codec)."""
+    from ..quant.params import scale_floor
+
+    if not encode_supports(fmt, x):
+        return None
+    ext = load_extension()
+    if ext is None:
+        return None
+    parts = ext.encode_int(x, fmt.bits, fmt.group, fmt.axis != "token", fmt.symmetric, float(fmt.clip),
+                           scale_floor(_PARAM_NAMES[fmt.param_dtype]), fmt.param_dtype)
+    return dict(zip(("codes", "scale", "zero"), parts))
+
+
 # head_dims the decode kernel is compiled for (_csrc/decode.h's dispatch): its SIMD and integer paths serve these
 COMPILED_HEAD_DIMS = (64, 128, 256)
 

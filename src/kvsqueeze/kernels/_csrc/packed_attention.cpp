@@ -14,9 +14,10 @@
 // codebook.h (rotated codebooks), fast_path.h (vectorised float path), codebook_int.h (rotated codebook keys by
 // int16 dot products: AVX-512 VBMI), codebook_fast.h (rotated codebook sides in registers), int_scores.h (integer
 // key scores: AVX-512 VNNI or AVX2), int_values.h (integer weighted values: AVX-512 VNNI), mask.h, decode.h (the
-// decode entry point), multi.h (the multi-query entry point), paged.h (both over a paged pool's sequences); this
-// file: includes and bindings.  Each instruction-set path is its own
-// build (kernels/cpu.py), so the same sources compile with or without each feature.
+// decode entry point), multi.h (the multi-query entry point), paged.h (both over a paged pool's sequences), encode.h
+// (quantize-and-pack of appended tokens, the torch codec's parts bit for bit); this file: includes and bindings.
+// Each instruction-set path is its own build (kernels/cpu.py), so the same sources compile with or without each
+// feature.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -53,6 +54,7 @@
 #include "decode.h"
 #include "multi.h"
 #include "paged.h"
+#include "encode.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<KernelPlan>(m, "KernelPlan", pybind11::module_local())  // each instruction-set build has its own
@@ -74,4 +76,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_paged", &attend_paged, "attention of every sequence of a paged pool (vLLM's KV blocks), in place");
   m.def("attend", &attend, "decode attention over packed KV blocks");
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
+  m.def("encode_int", &encode_int, "quantize and pack tokens as the torch integer codecs do, bit for bit");
 }
