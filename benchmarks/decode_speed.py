@@ -9,6 +9,11 @@ prefill s) and the ratios the issue asks for.
     PYTHONPATH=src python benchmarks/decode_speed.py --threads 2 --contexts 4096 --batch 8 --copy-prefill \
         --presets full kivi-4 kivi-2 hf-quanto-int4 --steps 12
 
+The table's "in attention" column is the median time a decode step spends inside the attention function
+(kvsqueeze's kernel and its step's commit; transformers' SDPA for its caches, whose cache updates - quanto's
+dequantization included - run before it and count as the rest of the step): with it, each ratio line prints the
+bound a cache's decode/full ratio could reach were its attention free (its step minus its attention, over full's step).
+
 Each decode step also prints the packed bytes kvsqueeze's attention reads per step (codes + scales + the exact
 window/sinks of every layer) divided by the step's median time: a lower bound of the read bandwidth reached.
 """
@@ -71,7 +76,7 @@ def fill_from(cache, name: str, model, kv: list[tuple[torch.Tensor, torch.Tensor
 @torch.inference_mode()
 def run_context(model, names: list[str], context: int, steps: int, backend: str, seed: int,
                 copy_prefill: bool = False, prefill_repeats: int = 1, batch: int = 1) -> dict:
-    from kvsqueeze.adapter import cache_kwargs
+    from kvsqueeze.adapter import attention_clock, cache_kwargs
 
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config(decoder=True).vocab_size
@@ -108,20 +113,30 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
                           if name.startswith("hf-dynamic") else _dense(cache))
                 shared = ([(lay.keys.clone(), lay.values.clone()) for lay in ref.layers], state[name]["next"])
             gc.collect()
-    for _ in range(steps):  # decode, interleaved
-        for name in names:
-            st = state[name]
-            set_attention(model, name)
-            pos = torch.tensor([st["pos"]])
+    with attention_clock() as clock:
+        for _ in range(steps):  # decode, interleaved
+            for name in names:
+                st = state[name]
+                set_attention(model, name)
+                pos = torch.tensor([st["pos"]])
 
-            def step(st=st, pos=pos):
-                return model(st["next"], **cache_kwargs(model, st["cache"]), use_cache=True, cache_position=pos).logits
+                def step(st=st, pos=pos):
+                    return model(st["next"], **cache_kwargs(model, st["cache"]), use_cache=True,
+                                 cache_position=pos).logits
 
-            out, dt = timed(step)
-            st["steps"].append(dt)
-            st["next"] = out[:, -1:].argmax(-1)
-            st["pos"] += 1
-    result = {n: {"prefill": s["prefill"], "decode_ms": 1e3 * statistics.median(s["steps"][1:] or s["steps"]),
+                before = clock.seconds
+                out, dt = timed(step)
+                st["steps"].append(dt)
+                st.setdefault("attention", []).append(clock.seconds - before)
+                st["next"] = out[:, -1:].argmax(-1)
+                st["pos"] += 1
+
+    def median_ms(xs: list[float]) -> float:
+        return 1e3 * statistics.median(xs[1:] or xs)
+
+    result = {n: {"prefill": s["prefill"], "decode_ms": median_ms(s["steps"]),
+                  "attention_ms": median_ms(s["attention"]),
+                  "rest_ms": median_ms([t - a for t, a in zip(s["steps"], s["attention"])]),
                   "kv_bytes": _kv_bytes(s["cache"])} for n, s in state.items()}
     del state
     gc.collect()
@@ -175,11 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU decode, SmolLM2-135M fp32, batch {args.batch}, {args.threads} threads, backend={args.backend}, "
           f"median of {args.steps - 1} interleaved steps; prefill = fastest of "
           f"{args.prefill_repeats} interleaved rounds after a warm-up\n")
-    head = "| preset | " + " | ".join(f"{c} decode ms/tok | {c} prefill s" for c in args.contexts) + " |"
+    head = "| preset | " + " | ".join(f"{c} decode ms/tok | {c} in attention | {c} prefill s"
+                                      for c in args.contexts) + " |"
     print(head)
-    print("|" + "---|" * (1 + 2 * len(args.contexts)))
+    print("|" + "---|" * (1 + 3 * len(args.contexts)))
     for name in args.presets:
-        cells = [f"{rows[c][name]['decode_ms']:.1f} | {rows[c][name]['prefill']:.2f}" for c in args.contexts]
+        cells = [f"{rows[c][name]['decode_ms']:.1f} | {rows[c][name]['attention_ms']:.1f} | "
+                 f"{rows[c][name]['prefill']:.2f}" for c in args.contexts]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("\nratios (decode ms/token; prefill s)")
     for ctx in args.contexts:
@@ -190,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
             parts = []
             if "full" in r:
                 parts.append(f"decode/full {r[name]['decode_ms'] / r['full']['decode_ms']:.2f}")
+                # the step without its attention (projections, MLPs, norms, head) over full's whole step: the
+                # ratio this cache would reach were its attention free
+                parts.append(f"attention/full {r[name]['attention_ms'] / r['full']['attention_ms']:.2f}, "
+                             f"bound with free attention {r[name]['rest_ms'] / r['full']['decode_ms']:.2f}")
                 parts.append(f"prefill/full {r[name]['prefill'] / r['full']['prefill']:.2f}")
             if "hf-quanto-int4" in r:
                 parts.append(f"quanto-int4/this decode {r['hf-quanto-int4']['decode_ms'] / r[name]['decode_ms']:.2f}x")

@@ -34,6 +34,7 @@ import inspect
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -372,6 +373,49 @@ def attention_override(model, fn: Callable) -> Iterator[None]:
     finally:
         for k, c in configs.items():
             c._attn_implementation = saved[k]
+
+
+class AttentionClock:
+    """Wall time spent inside the attention functions transformers looks up by name (its SDPA, kvsqueeze's) while
+    :func:`attention_clock` runs: ``seconds`` and ``calls`` in all.  kvsqueeze's function includes the step's commit
+    (quantizing what left the window); a transformers cache updates itself before its model calls the attention
+    function, outside the clock."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+_CLOCKED = ("sdpa", ATTN_NAME)
+
+
+@contextlib.contextmanager
+def attention_clock() -> Iterator[AttentionClock]:
+    """Time every call of the SDPA and kvsqueeze attention functions until the block ends (what a decode step spends
+    in attention, beside the projections, MLPs and head around it).  Models on transformers' "eager" attention call
+    a function of their own module, which is not seen.  Host wall time: on a GPU it counts launches, not kernels."""
+    register()
+    clock = AttentionClock()
+    originals = {name: AttentionInterface()[name] for name in _CLOCKED}
+
+    def timed(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - start
+                clock.calls += 1
+        return run
+
+    try:
+        for name, fn in originals.items():
+            AttentionInterface.register(name, timed(fn))
+        yield clock
+    finally:
+        for name, fn in originals.items():
+            AttentionInterface.register(name, fn)
 
 
 # ---------------------------------------------------------------------------------------------- cache

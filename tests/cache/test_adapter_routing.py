@@ -122,3 +122,23 @@ def test_transformers_chunked_prefill_works_with_the_cache(tiny_llama, batch):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(torch.stack(got.logits)[0], torch.stack(one_pass.logits)[0], atol=1e-4)
     assert _impls(tiny_llama) == ("sdpa", "sdpa")
+
+
+def test_attention_clock_times_both_routes_and_restores_them(tiny_llama):
+    """The clock sees every layer's attention call, kvsqueeze's and transformers' SDPA alike, and leaves the
+    registered functions as they were, also when the block raises."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from kvsqueeze.adapter import attention_clock
+
+    before = {name: AttentionInterface()[name] for name in ("sdpa", ATTN_NAME)}
+    layers = tiny_llama.config.num_hidden_layers
+    with torch.no_grad(), attention_clock() as clock:
+        tiny_llama(_ids(20), **cache_kwargs(tiny_llama, QuantizedCache(tiny_llama.config, "kivi-4")), use_cache=True)
+        assert clock.calls == layers and clock.seconds > 0  # kvsqueeze's function (a prompt: SDPA inside it)
+        tiny_llama(_ids(20), use_cache=False)
+        assert clock.calls == 2 * layers  # the model's own SDPA
+    assert {name: AttentionInterface()[name] for name in before} == before
+    with pytest.raises(RuntimeError, match="inside"), attention_clock():
+        raise RuntimeError("inside")
+    assert {name: AttentionInterface()[name] for name in before} == before

@@ -72,7 +72,10 @@ def test_speed_json(tiny_model_dir, tmp_path, capsys):
     assert r["prefill_s"] > 0 and r["decode_ms_per_token"] > 0 and len(r["decode_ms_steps"]) == 3
     assert r["peak_rss_bytes"] >= r["rss_before_bytes"] > 0 and r["threads"] == 2
     assert r["kv_bytes"]["tokens"] == 99 and r["kv_bytes"]["batch"] == 2
-    assert "2 threads" in capsys.readouterr().out
+    # every step ran its layers' attention, inside the step's own time
+    assert 0 < r["decode_attention_ms_per_token"] < r["decode_ms_per_token"]
+    printed = capsys.readouterr().out
+    assert "2 threads" in printed and "ms in attention" in printed
 
 
 def test_speed_budget_and_prefill_chunk(tiny_model_dir, tmp_path, capsys):

@@ -88,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
           f"{r['decode_ms_per_token']:.2f} ms/token (median of {args.decode_tokens}); peak RSS "
           f"{r['peak_rss_bytes'] / 2**20:.0f} MiB (+{r['peak_rss_delta_bytes'] / 2**20:.0f} MiB during the run); "
           f"KV {b['total'] / 2**20:.2f} MiB = {bits} bits/element, {b['bytes_per_token']:.0f} bytes/token")
-    print(f"attention path: {r['attention_path']}")
+    attn = r["decode_attention_ms_per_token"]
+    share = "" if attn is None else (f"; a decode step spends {attn:.2f} ms in attention "
+                                     f"({100 * attn / r['decode_ms_per_token']:.0f}% of the step's median)")
+    print(f"attention path: {r['attention_path']}{share}")
     if r["cuda_peak_allocated_delta_bytes"] is not None:
         print(f"CUDA peak allocated +{r['cuda_peak_allocated_delta_bytes'] / 2**20:.0f} MiB during the run")
     if budget is not None:

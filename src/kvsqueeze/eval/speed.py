@@ -116,7 +116,7 @@ def measure_speed(model: Any, kv: str, context: int, decode_tokens: int, batch: 
 
 
 def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, prefill_chunk, compile):
-    from ..adapter import attention_paths, cache_kwargs, describe_paths
+    from ..adapter import attention_clock, attention_paths, cache_kwargs, describe_paths
     from .peers import footprint, make_cache, prefill
 
     context = ids.shape[1]
@@ -141,15 +141,20 @@ def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, pr
         torch.cuda.reset_peak_memory_stats()
     cuda_start = torch.cuda.memory_allocated() if cuda else 0
     kw = cache_kwargs(model.base_model, cache)
-    with PeakRSS() as mem:
+    attention: list[float] = []  # seconds of each decode step inside attention (host clock: eager CPU runs only)
+    clocked = not (cuda or compile)
+    with PeakRSS() as mem, attention_clock() if clocked else contextlib.nullcontext() as clock:
         with _timer(prefill_s):
             nxt = head(prefill(model, ids, cache, prefill_chunk)).argmax(-1, keepdim=True)
             _sync(cuda)
         for _ in range(decode_tokens):
+            before = clock.seconds if clocked else 0.0
             with _timer(steps):
                 h = step_model(input_ids=nxt, **kw, use_cache=True).last_hidden_state
                 nxt = head(h[:, -1]).argmax(-1, keepdim=True)
                 _sync(cuda)
+            if clocked:
+                attention.append(clock.seconds - before)
     kv_bytes = footprint(cache)
     paths = attention_paths(cache, model)
     return {
@@ -160,6 +165,9 @@ def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, pr
         "decode_ms_per_token": 1000 * statistics.median(steps),
         "decode_ms_min": 1000 * min(steps),  # the least disturbed step: a check on a busy machine
         "decode_ms_steps": [round(1000 * s, 3) for s in steps],
+        # of a decode step, the time inside the attention function (kvsqueeze's: its kernel and the step's commit;
+        # transformers' SDPA for its caches), median over the steps; None where not clocked (CUDA, compiled)
+        "decode_attention_ms_per_token": 1000 * statistics.median(attention) if attention else None,
         "peak_rss_bytes": mem.peak, "rss_before_bytes": mem.start, "peak_rss_delta_bytes": mem.peak - mem.start,
         "peak_rss_method": mem.method,
         # on CUDA, what the caching allocator handed out at its peak, above what was allocated before
