@@ -30,8 +30,12 @@ def test_bench_quick_writes_every_file(tiny_model_dir, tiny_corpus, tmp_path, ca
     assert set(r["speed"]["hf-quanto-int4"]) == {"32", "64"}
     md = (folder / "report.md").read_text()
     for needle in ("Command: `kvsqueeze bench", "Machine:", "Threads: 2", "Date:", "ppl all-quantized",
-                   "| `hf-quanto-int4` | peer |", "decode ms/token @64", "![ppl_vs_bits](ppl_vs_bits.png)"):
+                   "| `hf-quanto-int4` | peer |", "decode ms/token @64", "of it in attention @64",
+                   "![ppl_vs_bits](ppl_vs_bits.png)"):
         assert needle in md
+    for name in caches.split(","):  # every cache's decode steps ran through a clocked attention function (CPU)
+        run = r["speed"][name]["64"]
+        assert 0 < run["decode_attention_ms_per_token"] < run["decode_ms_per_token"]
     assert md.count("\n| `") == 3 * 4  # results, capacity and retrieval tables: one row per cache each
     cap = r["capacity"]
     assert set(cap) == set(caches.split(",")) and "## Capacity in 2 GiB" in md

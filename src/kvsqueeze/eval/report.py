@@ -142,7 +142,8 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     out += ["", "## Results", ""]
     head = ["cache", "kind", "bits/element (quantized part)", "KV bytes/token",
             *[label for _, label in PPL_COLUMNS[:2]], f"ppl decode (last {cfg['ppl_decode_tokens']})", "retrieval", f"prefill s @{hi}",
-            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"peak RSS growth MiB @{hi} (of it KV)",
+            f"decode ms/token @{lo}", f"decode ms/token @{hi}", f"of it in attention @{hi}",
+            f"peak RSS growth MiB @{hi} (of it KV)",
             f"attention path @{hi}"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
@@ -152,7 +153,8 @@ def markdown(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         row = [f"`{name}`", c["kind"], _fmt_bits(b), "n/a" if b is None else f"{b['bytes_per_token']:.0f}",
                *[ppl_cell(results, p, name) for p, _ in PPL_COLUMNS], retrieval_cell(results, name),
                _speed(results, name, hi, "prefill_s", digits=2), _speed(results, name, lo, "decode_ms_per_token"),
-               _speed(results, name, hi, "decode_ms_per_token"), _growth_cell(results, name, hi),
+               _speed(results, name, hi, "decode_ms_per_token"),
+               _speed(results, name, hi, "decode_attention_ms_per_token"), _growth_cell(results, name, hi),
                _path_cell(results, name, hi)]
         out.append("| " + " | ".join(row) + " |")
     out += ["", *_notes(results), ""]
