@@ -134,6 +134,8 @@ def run_context(model, names: list[str], context: int, steps: int, backend: str,
     def median_ms(xs: list[float]) -> float:
         return 1e3 * statistics.median(xs[1:] or xs)
 
+    if not clock.calls:  # a model on its own eager attention: nothing was clocked
+        raise SystemExit("decode_speed.py: the model's attention is not one the clock sees (SDPA or kvsqueeze's)")
     result = {n: {"prefill": s["prefill"], "decode_ms": median_ms(s["steps"]),
                   "attention_ms": median_ms(s["attention"]),
                   "rest_ms": median_ms([t - a for t, a in zip(s["steps"], s["attention"])]),

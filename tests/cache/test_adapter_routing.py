@@ -142,3 +142,14 @@ def test_attention_clock_times_both_routes_and_restores_them(tiny_llama):
     with pytest.raises(RuntimeError, match="inside"), attention_clock():
         raise RuntimeError("inside")
     assert {name: AttentionInterface()[name] for name in before} == before
+
+
+def test_speed_reports_no_attention_time_it_could_not_see(tiny_llama):
+    """A model on transformers' eager attention calls a function of its own module, which the clock does not see:
+    the speed record says None rather than 0 ms; on SDPA it reports the time."""
+    from kvsqueeze.eval.speed import measure_speed
+
+    eager = copy.deepcopy(tiny_llama)
+    eager.config._attn_implementation = "eager"
+    assert measure_speed(eager, "hf-dynamic", 24, 2)["decode_attention_ms_per_token"] is None
+    assert measure_speed(tiny_llama, "hf-dynamic", 24, 2)["decode_attention_ms_per_token"] > 0

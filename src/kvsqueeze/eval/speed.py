@@ -141,12 +141,13 @@ def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, pr
         torch.cuda.reset_peak_memory_stats()
     cuda_start = torch.cuda.memory_allocated() if cuda else 0
     kw = cache_kwargs(model.base_model, cache)
-    attention: list[float] = []  # seconds of each decode step inside attention (host clock: eager CPU runs only)
+    attention: list[float] = []  # seconds of each decode step inside attention (host clock: uncompiled CPU runs)
     clocked = not (cuda or compile)
     with PeakRSS() as mem, attention_clock() if clocked else contextlib.nullcontext() as clock:
         with _timer(prefill_s):
             nxt = head(prefill(model, ids, cache, prefill_chunk)).argmax(-1, keepdim=True)
             _sync(cuda)
+        calls = clock.calls if clocked else 0
         for _ in range(decode_tokens):
             before = clock.seconds if clocked else 0.0
             with _timer(steps):
@@ -155,6 +156,8 @@ def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, pr
                 _sync(cuda)
             if clocked:
                 attention.append(clock.seconds - before)
+        if clocked and clock.calls == calls:  # the model's attention is a function of its own ("eager"): not seen
+            attention = []
     kv_bytes = footprint(cache)
     paths = attention_paths(cache, model)
     return {
@@ -166,7 +169,8 @@ def _measure(model, kv, ids, head, max_len, step_model, decode_tokens, batch, pr
         "decode_ms_min": 1000 * min(steps),  # the least disturbed step: a check on a busy machine
         "decode_ms_steps": [round(1000 * s, 3) for s in steps],
         # of a decode step, the time inside the attention function (kvsqueeze's: its kernel and the step's commit;
-        # transformers' SDPA for its caches), median over the steps; None where not clocked (CUDA, compiled)
+        # transformers' SDPA for its caches), median over the steps; None where not clocked (CUDA, compiled, a
+        # model on its own eager attention)
         "decode_attention_ms_per_token": 1000 * statistics.median(attention) if attention else None,
         "peak_rss_bytes": mem.peak, "rss_before_bytes": mem.start, "peak_rss_delta_bytes": mem.peak - mem.start,
         "peak_rss_method": mem.method,
