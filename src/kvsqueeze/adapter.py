@@ -149,15 +149,15 @@ def _triton_packs(x: torch.Tensor) -> bool:
     return flag != "0" and (x.is_cuda or flag == "1")
 
 
-def fast_encoder(fmt, x: torch.Tensor, into=None):
-    """The Triton quantize-and-pack where _triton_packs says so, else for CPU tensors the C++ one (bit-identical to
-    the torch codec; ``KVSQUEEZE_CPU_ENCODE=0`` switches it off); None hands the tokens back to the torch codec.
-    ``into`` (a pooled store's PoolTarget): written into the pool's slots in place (Triton only)."""
+def fast_encoder(fmt, x: torch.Tensor, into=None, cpp: bool = True):
+    """The Triton quantize-and-pack where _triton_packs says so, else for CPU tensors the C++ one (``cpp``;
+    bit-identical to the torch codec; ``KVSQUEEZE_CPU_ENCODE=0`` switches it off); None hands the tokens back to the
+    torch codec.  ``into`` (a pooled store's PoolTarget): written into the pool's slots in place (Triton only)."""
     if _triton_packs(x):
         from .kernels import triton_pack  # lazy: importing kvsqueeze never imports Triton
 
         return triton_pack.encode(fmt, x, into)
-    if into is None and x.device.type == "cpu" and os.environ.get("KVSQUEEZE_CPU_ENCODE", "") != "0":
+    if cpp and into is None and x.device.type == "cpu" and os.environ.get("KVSQUEEZE_CPU_ENCODE", "") != "0":
         from .kernels import cpu
 
         return cpu.encode(fmt, x)
@@ -435,7 +435,8 @@ class _HFLayer(CacheLayerMixin):
     def _new_kv(self) -> LayerKV:
         kv = LayerKV(self.spec, self.sliding_window)
         kv.backend, kv.attend = self.backend, None  # the attend function is resolved on first use
-        kv.fast_encode = fast_encoder
+        # backend "torch" (the reference) stays torch end to end on a CPU: no C++ build for its encoder either
+        kv.fast_encode = fast_encoder if self.backend != "torch" else functools.partial(fast_encoder, cpp=False)
         kv.arena = self.arena
         kv.pooled = True if self.backend == "triton" else None  # the Triton kernels walk a pool in one launch
         kv.step = self.step

@@ -139,3 +139,20 @@ def test_the_cache_stores_cpu_tokens_through_it(monkeypatch):
         assert set(got) == set(ref)
         for k in ref:
             assert torch.equal(_bits_view(got[k]), _bits_view(ref[k])), (spec, k)
+
+
+@pytest.mark.parametrize("backend, uses_cpp", [("auto", True), ("cpu", True), ("torch", False)])
+def test_a_model_cache_encodes_in_cpp_unless_its_backend_is_the_torch_reference(tiny_llama, monkeypatch, backend,
+                                                                                uses_cpp):
+    from kvsqueeze.adapter import QuantizedCache, cache_kwargs
+
+    if not cpu.available():
+        pytest.skip("the C++ kernel could not be built here")
+    calls = []
+    real = cpu.encode
+    monkeypatch.setattr(cpu, "encode", lambda fmt, x: calls.append(1) or real(fmt, x))
+    cache = QuantizedCache(tiny_llama.config, "int8", backend=backend)
+    ids = torch.randint(2, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        tiny_llama(ids, **cache_kwargs(tiny_llama, cache), use_cache=True)
+    assert bool(calls) == uses_cpp
