@@ -265,7 +265,7 @@ def encode_supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
 def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
     """The parts the torch integer codec stores for ``x`` [B, H, T, D] (codes packed as pack_bits packs them,
     scale and zero in the parameter dtype), bit for bit, by one call of the C++ extension (``_csrc/encode.h``)
-    where the torch codec spends ~75 small tensor operations; None where :func:`encode_supports` says no or the
+    where the torch codec spends ~85 small tensor operations; None where :func:`encode_supports` says no or the
     extension is not built here (the caller keeps the torch codec)."""
     from ..quant.params import scale_floor
 

@@ -1,15 +1,16 @@
 // Quantize-and-pack of appended tokens: the torch integer codecs' encode (quant/integer.py quantize_groups,
 // quant/packing.py pack_bits), bit for bit, in one call.
 //
-// A decode step stores one token per layer and side (every step where the window is 0, as in int8; values every
-// step past a full window).  The torch codec spends ~75 small tensor operations on it - 0.2-0.3 ms per side and
-// layer, a fifth of an int8 decode step at 8k tokens over 30 layers - where the arithmetic is a few hundred
-// instructions.  Same rules, operation by operation (the Triton pack, kernels/triton_pack.py, follows them too):
-// NaN is 0; min / max over the finite values clamped to +-LIMIT ((0, 0) when none); asymmetric groups take
-// zero = clip min rounded down and scale = (clip max - zero) / (2^bits - 1) (in float64, then float32) rounded up in
-// the parameter dtype; symmetric ones scale = clip absmax / qmax rounded up (the constant itself for a zero range);
-// codes round half to even from the stored parameters.  No product is fused into a multiply-add (the build allows
-// contraction elsewhere): the one a * b - c here goes through memory.
+// A decode step stores one token per layer and side wherever tokens are stored one at a time (int8, whose window
+// is 0; per-token layouts once their window is full; per-channel keys store 32 at a time).  The torch codec spends
+// ~85 small tensor operations on it - 0.2-0.3 ms per side and layer, a sixth of an int8 decode step at 8k tokens
+// over 30 layers - where the arithmetic is a few hundred instructions.  Same rules, operation by operation (the
+// Triton pack, kernels/triton_pack.py, follows them too): NaN is 0; min / max over the finite values clamped to
+// +-LIMIT ((0, 0) when none); asymmetric groups take zero = clip min rounded down and scale = (clip max - zero) /
+// (2^bits - 1) (in float64, then float32) rounded up in the parameter dtype; symmetric ones scale = clip absmax /
+// qmax rounded up (the constant itself for a zero range); codes round half to even from the stored parameters.  No
+// product is fused into a multiply-add (the build allows contraction elsewhere): the one a * b - c here goes
+// through memory.
 #pragma once
 
 namespace {
