@@ -39,6 +39,7 @@ from ..cache.plan import EXACT, SegmentPlan
 from ..errors import KvsqueezeError
 from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
+from ..quant.params import PARAM_DTYPE_NAMES, scale_floor
 from . import reference
 
 MAX_QUERIES = 16  # new tokens per step served by the decode kernel; more go to the tiled multi-query kernel
@@ -243,7 +244,7 @@ def describe(build: bool = True) -> dict:
             "build_dir": str(_build_directory(_build_name(isa))) if ext is not None else None}
 
 
-_PARAM_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_ENCODE_PARAMS = ("fp32", "fp16", "bf16")  # parameter dtypes encode_int stores (not fp8)
 _ENCODE_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -251,7 +252,9 @@ def encode_supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
     """Whether :func:`encode` takes ``x`` [B, H, T, D] in ``fmt``: CPU tensors in a plain integer format with float
     zero-points and fp32/fp16/bf16 parameters (not 1-bit symmetric: its scale is a mean), whole packing units per
     row and, per channel, whole groups of tokens (the torch codec reports a ragged call itself)."""
-    if fmt.kind != "int" or not fmt.plain or fmt.zero_domain != "float" or fmt.param_dtype not in _PARAM_NAMES:
+    if fmt.kind != "int" or not fmt.plain or fmt.zero_domain != "float":
+        return False
+    if PARAM_DTYPE_NAMES.get(fmt.param_dtype) not in _ENCODE_PARAMS:
         return False
     if (fmt.symmetric and fmt.bits == 1) or x.device.type != "cpu" or x.dtype not in _ENCODE_X_DTYPES:
         return False
@@ -267,15 +270,13 @@ def encode(fmt: StorageFormat, x: torch.Tensor) -> dict[str, torch.Tensor] | Non
     scale and zero in the parameter dtype), bit for bit, by one call of the C++ extension (``_csrc/encode.h``)
     where the torch codec spends ~85 small tensor operations; None where :func:`encode_supports` says no or the
     extension is not built here (the caller keeps the torch codec)."""
-    from ..quant.params import scale_floor
-
     if not encode_supports(fmt, x):
         return None
     ext = load_extension()
     if ext is None:
         return None
     parts = ext.encode_int(x, fmt.bits, fmt.group, fmt.axis != "token", fmt.symmetric, float(fmt.clip),
-                           scale_floor(_PARAM_NAMES[fmt.param_dtype]), fmt.param_dtype)
+                           scale_floor(PARAM_DTYPE_NAMES[fmt.param_dtype]), fmt.param_dtype)
     return dict(zip(("codes", "scale", "zero"), parts))
 
 

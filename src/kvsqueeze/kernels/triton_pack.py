@@ -26,7 +26,7 @@ import torch
 from ..cache.plan import PoolTarget
 from ..quant.format import StorageFormat
 from ..quant.nonfinite import LIMIT
-from ..quant.params import scale_floor
+from ..quant.params import PARAM_DTYPE_NAMES, scale_floor
 from .triton_common import HAS_TRITON, available, slot_strides
 
 if HAS_TRITON:
@@ -38,7 +38,6 @@ if HAS_TRITON:
 ROWS = 16  # tokens per program of the per-token kernel
 
 _PKIND = {"fp32": 0, "fp16": 1, "bf16": 2}
-_PNAME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _PMAX = {0: float(torch.finfo(torch.float32).max), 1: float(torch.finfo(torch.float16).max),
          2: float(torch.finfo(torch.bfloat16).max)}
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -216,7 +215,9 @@ def supports(fmt: StorageFormat, x: torch.Tensor) -> bool:
     if fmt.kind != "int" or not fmt.plain:
         return False
     d, g = fmt.head_dim, fmt.group
-    if fmt.param_dtype not in _PNAME or (fmt.symmetric and fmt.bits == 1) or not (_pow2(d) and _pow2(g)):
+    if PARAM_DTYPE_NAMES.get(fmt.param_dtype) not in _PKIND or (fmt.symmetric and fmt.bits == 1):
+        return False
+    if not (_pow2(d) and _pow2(g)):
         return False
     if x.dim() != 4 or x.shape[-1] != d or x.dtype not in _X_DTYPES or x.shape[2] == 0:
         return False
@@ -260,7 +261,7 @@ def encode_ring(fmt: StorageFormat, ring: torch.Tensor, parts: dict[str, torch.T
 def _launch(fmt, x, parts, t, table, start, blk, paged, ring=None) -> None:
     """One pack launch over ``t`` tokens per (sequence, head) of ``x`` into ``parts``."""
     b, h, _, d = x.shape
-    g, bits, pname = fmt.group, fmt.bits, _PNAME[fmt.param_dtype]
+    g, bits, pname = fmt.group, fmt.bits, PARAM_DTYPE_NAMES[fmt.param_dtype]
     codes, scale = parts["codes"], parts["scale"]
     zero = parts.get("zero")
     pk = _PKIND[pname]

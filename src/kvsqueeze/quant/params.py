@@ -18,6 +18,8 @@ PARAM_TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp8-e4m3": torch.float8_e4m3fn,
 }
 
+PARAM_DTYPE_NAMES: dict[torch.dtype, str] = {dt: name for name, dt in PARAM_TORCH_DTYPES.items()}
+
 # Same-width integer views, used to step to the neighbouring representable value (all are sign-magnitude).
 _INT_VIEWS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float16: (torch.int16, 16),
