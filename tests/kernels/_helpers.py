@@ -29,6 +29,31 @@ def script_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of its width, so that equality is bit for bit (NaN, -0.0)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def wild_rows(gen: torch.Generator, shape: tuple[int, ...], nonfinite: bool = False) -> torch.Tensor:
+    """Rows of very different magnitudes (fp16 subnormal to beyond fp16's range), constant rows and ties for an
+    encoder; ``nonfinite`` also -0.0, NaN, +-inf, a row without a finite value and one beyond the 2^50 limit (the
+    random draws are the same either way)."""
+    x = torch.randn(*shape, generator=gen)
+    mag = 10 ** (torch.rand(*shape[:-1], 1, generator=gen) * 16 - 10)
+    x = x * mag + torch.randn(*shape[:-1], 1, generator=gen) * mag
+    x[..., 0, :] = 0.0
+    x[..., 1, :] = 3.0
+    x[..., 2, :] = torch.arange(shape[-1]).float() / 2 - 4  # codes land exactly on .5: round half to even
+    if nonfinite:
+        x[..., 3, :] = -0.0
+        x[..., 4, 1] = float("nan")
+        x[..., 5, 2] = float("inf")
+        x[..., 6, 3] = float("-inf")
+        x[..., 7, :] = float("inf")  # no finite value at all
+        x[..., 8, 0] = 3e15
+    return x
+
+
 def assert_half_precision_matches(attend: Callable, spec: str, dtype: torch.dtype, new: int) -> None:
     """A model in fp16/bf16: ``attend`` returns its dtype and stays within 2e-2 of the reference."""
     layer = filled_layer(spec, batch=1, kv_heads=2, stored=300, new=new, dtype=dtype)

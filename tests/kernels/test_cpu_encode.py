@@ -14,11 +14,7 @@ from kvsqueeze.cache.codecs import IntChannelCodec, IntTokenCodec
 from kvsqueeze.kernels import cpu
 from kvsqueeze.spec import QuantSpec
 
-from ._helpers import filled_layer
-
-
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+from ._helpers import bits_view, filled_layer, wild_rows
 
 
 def _assert_same(got: dict | None, ref: dict) -> None:
@@ -26,31 +22,13 @@ def _assert_same(got: dict | None, ref: dict) -> None:
     for name, r in ref.items():
         g = got[name]
         assert g.shape == r.shape and g.dtype == r.dtype, name
-        assert torch.equal(_bits_view(g), _bits_view(r)), f"{name}: {(g != r).sum().item()} differ"
+        assert torch.equal(bits_view(g), bits_view(r)), f"{name}: {(g != r).sum().item()} differ"
 
 
 def _codec(axis: str, bits: int, symmetric: bool, group: int, d: int, pdtype: str, clip: float = 1.0):
     spec = QuantSpec(fmt="int", bits=bits, axis=axis, group=group, symmetric=symmetric, clip=clip,
                      param_dtype=pdtype)
     return (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, d)
-
-
-def _wild(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    """Rows of very different magnitudes (fp16 subnormal to beyond fp16's range), constant rows, ties, and
-    non-finite values (NaN, +-inf, beyond the 2^50 limit)."""
-    x = torch.randn(*shape, generator=gen)
-    mag = 10 ** (torch.rand(*shape[:-1], 1, generator=gen) * 16 - 10)
-    x = x * mag + torch.randn(*shape[:-1], 1, generator=gen) * mag
-    x[..., 0, :] = 0.0
-    x[..., 1, :] = 3.0
-    x[..., 2, :] = torch.arange(shape[-1]).float() / 2 - 4  # codes land exactly on .5: round half to even
-    x[..., 3, :] = -0.0
-    x[..., 4, 1] = float("nan")
-    x[..., 5, 2] = float("inf")
-    x[..., 6, 3] = float("-inf")
-    x[..., 7, :] = float("inf")  # no finite value at all
-    x[..., 8, 0] = 3e15
-    return x
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
@@ -77,7 +55,7 @@ def test_encode_extreme_values_and_ties(cpu_isa, pdtype):
                             ("token", 1, False), ("channel", 8, False)):
         for clip in (1.0, 0.7):
             codec = _codec(axis, bits, sym, 8, 16, pdtype, clip)
-            x = _wild(gen, (1, 2, 32, 16))
+            x = wild_rows(gen, (1, 2, 32, 16), nonfinite=True)
             _assert_same(cpu.encode(codec.fmt, x), codec.encode(x))
 
 
@@ -138,7 +116,7 @@ def test_the_cache_stores_cpu_tokens_through_it(monkeypatch):
         calls.clear()
         assert set(got) == set(ref)
         for k in ref:
-            assert torch.equal(_bits_view(got[k]), _bits_view(ref[k])), (spec, k)
+            assert torch.equal(bits_view(got[k]), bits_view(ref[k])), (spec, k)
 
 
 @pytest.mark.parametrize("backend, uses_cpp", [("auto", True), ("cpu", True), ("torch", False)])

@@ -18,7 +18,7 @@ from kvsqueeze.adapter import fast_encoder
 from kvsqueeze.cache.codecs import IntChannelCodec, IntTokenCodec
 from kvsqueeze.spec import QuantSpec
 
-from ._helpers import HAS_TRITON, TRITON_DEVICE, filled_layer, require_triton_runtime
+from ._helpers import HAS_TRITON, TRITON_DEVICE, bits_view, filled_layer, require_triton_runtime, wild_rows
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -31,10 +31,6 @@ def tp():
     return triton_pack
 
 
-def _bits_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
 def _assert_same(got: dict, ref: dict) -> None:
     assert got is not None and set(got) == set(ref)
     for name, r in ref.items():
@@ -43,18 +39,7 @@ def _assert_same(got: dict, ref: dict) -> None:
         if name == "zero":
             assert torch.equal(g, r), name
         else:
-            assert torch.equal(_bits_view(g), _bits_view(r)), f"{name}: {(g != r).sum().item()} differ"
-
-
-def _wild(gen: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
-    """Rows of very different magnitudes (fp16 subnormal to beyond fp16's range), constant rows and ties."""
-    x = torch.randn(*shape, generator=gen)
-    mag = 10 ** (torch.rand(*shape[:-1], 1, generator=gen) * 16 - 10)
-    x = x * mag + torch.randn(*shape[:-1], 1, generator=gen) * mag
-    x[..., 0, :] = 0.0
-    x[..., 1, :] = 3.0
-    x[..., 2, :] = torch.arange(shape[-1]).float() / 2 - 4  # codes land exactly on .5: round half to even
-    return x
+            assert torch.equal(bits_view(g), bits_view(r)), f"{name}: {(g != r).sum().item()} differ"
 
 
 @pytest.mark.parametrize("axis", ["token", "channel"])
@@ -82,7 +67,7 @@ def test_pack_extreme_values_and_ties(tp, pdtype):
     for axis, bits, sym in (("token", 4, False), ("channel", 2, False), ("token", 8, True), ("channel", 3, True)):
         spec = QuantSpec(fmt="int", bits=bits, axis=axis, group=8, symmetric=sym, param_dtype=pdtype)
         codec = (IntChannelCodec if axis == "channel" else IntTokenCodec)(spec, 16)
-        x = _wild(gen, (1, 2, 32, 16)).to(TRITON_DEVICE)
+        x = wild_rows(gen, (1, 2, 32, 16)).to(TRITON_DEVICE)
         _assert_same(tp.encode(codec.fmt, x), codec.encode(x.cpu()))
 
 
