@@ -29,6 +29,31 @@ def test_best_at_respects_the_budget_and_kind():
     assert abs(rows[2]["decode"]["kvsqueeze"]["delta_percent"] - 5.0) < 1e-9
 
 
+def test_engine_peers_are_read_against_their_own_unquantized_cache():
+    # llama.cpp runs the GGUF's own weights and kernels: its q4_0 row is read against llamacpp:f16, not `full`
+    col = {"full": {"ppl": 10.0, "quantized_bits_per_element": None},
+           "kivi-4": {"ppl": 10.3, "quantized_bits_per_element": 5.0},
+           "llamacpp:f16": {"ppl": 10.2, "quantized_bits_per_element": None},
+           "llamacpp:q4_0": {"ppl": 10.4, "quantized_bits_per_element": 4.5},
+           "llamacpp:q4_1": {"ppl": 10.45, "quantized_bits_per_element": 5.0},
+           "vllm:auto": {"ppl": 9.0, "quantized_bits_per_element": None},
+           "vllm:fp8_e4m3": {"ppl": 9.05, "quantized_bits_per_element": 8.0}}
+    kinds = {"full": "preset", "kivi-4": "preset"} | {n: "peer" for n in col if ":" in n}
+    res = {"caches": [{"name": n, "kind": k} for n, k in kinds.items()], "ppl": {"all-quantized": col}}
+    (row,) = frontier_rows(res, (5.0,))
+    peer, ours = row["all-quantized"]["peer"], row["all-quantized"]["kvsqueeze"]
+    assert peer["kv"] == "llamacpp:q4_0" and peer["against"] == "llamacpp:f16"  # +1.96% beats q4_1's +2.45%
+    assert abs(peer["delta_percent"] - 100 * (10.4 / 10.2 - 1)) < 1e-9
+    assert ours["kv"] == "kivi-4" and ours["against"] is None and abs(ours["delta_percent"] - 3.0) < 1e-9
+    assert row["all-quantized"]["kvsqueeze_ahead"] is False  # lower ppl (10.3 < 10.4), but the larger change
+    (row8,) = frontier_rows(res, (8.0,))
+    assert row8["all-quantized"]["peer"]["kv"] == "vllm:fp8_e4m3"  # +0.56% vs vllm:auto
+    from kvsqueeze.eval.frontier import markdown
+
+    table = markdown([row], {**res, "ppl": res["ppl"]})
+    assert "`llamacpp:q4_0` 4.500 b: 10.400 (+1.96% vs llamacpp:f16) | no |" in table
+
+
 def test_frontier_command_end_to_end(tiny_model_dir, tiny_corpus, tmp_path, capsys):
     out = tmp_path / "f"
     assert main(["frontier", "--model", str(tiny_model_dir), "--text", str(tiny_corpus), "--kv", "kivi-2,int4",
@@ -81,4 +106,4 @@ def test_ppl_vs_bits_panels_are_titled_by_protocol(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "_savefig", lambda fig, path: titles.extend(a.get_title() for a in fig.axes))
     assert report.plot_ppl_vs_bits(res, tmp_path / "p.png") == tmp_path / "p.png"
     assert titles == ["decode protocol (all caches)", "window protocol (kvsqueeze)",
-                      "all-quantized protocol (kvsqueeze, vLLM)"]
+                      "all-quantized protocol (kvsqueeze, vLLM, llama.cpp)"]

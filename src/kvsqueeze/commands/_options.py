@@ -21,7 +21,8 @@ MODEL_HELP = ("model: a Hugging Face directory, a .gguf file or a hub id (defaul
               "SmolLM2-135M-Instruct)")
 KV_HELP = ("cache: a preset (kvsqueeze presets), a spec string like k2c32-v2t32-w128-s4, JSON, a calibration "
            "artifact directory (or a folder holding exactly one, as kvsqueeze calibrate --out writes), or a peer "
-           "such as hf-dynamic, hf-quanto-int4, vllm:fp8_e4m3 (vLLM's own cache, README: vLLM)")
+           "such as hf-dynamic, hf-quanto-int4, vllm:fp8_e4m3 (vLLM's own cache, README: vLLM), llamacpp:q4_0 "
+           "(llama.cpp's own cache, README: llama.cpp)")
 
 
 def _int_at_least(text: str, low: int, expected: str, bound: str) -> int:

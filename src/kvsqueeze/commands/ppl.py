@@ -15,7 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", type=int, default=4, help="consecutive chunks from the corpus start (default 4)")
     p.add_argument("--protocol", default=None, choices=["decode", "window", "all-quantized"],
                    help="which K/V each scored token sees (default: window for presets, decode for transformers' "
-                        "caches, which only decode can measure, all-quantized for vllm:*, which only it can)")
+                        "caches, which only decode can measure, all-quantized for vllm:* and llamacpp:*, which "
+                        "only it can)")
     p.add_argument("--prefix", type=int, default=None,
                    help="tokens prefilled before scoring (default: context/2 for decode, 0 for window)")
     _options.add_prefill_chunk(p)
@@ -26,20 +27,23 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from kvsqueeze import corpus as corpus_mod
-    from kvsqueeze.eval import meta, vllm_peer
+    from kvsqueeze.eval import engine_peers, meta, vllm_peer
     from kvsqueeze.eval.ppl import check_protocol, default_prefix, run_ppl
     from kvsqueeze.resolve import is_peer
 
     start = time.perf_counter()
     # everything that can be checked without the model fails here, before anything is loaded
     kv = _options.resolve_kv_option(args.kv)
-    protocol = args.protocol or ("all-quantized" if vllm_peer.is_vllm(kv) else "decode" if is_peer(kv) else "window")
+    engine = engine_peers.is_engine(kv)
+    protocol = args.protocol or ("all-quantized" if engine else "decode" if is_peer(kv) else "window")
     prefix = default_prefix(protocol, args.context) if args.prefix is None else args.prefix
     check_protocol(kv, protocol, prefix, args.context)
     if args.chunks < 1:
         raise ValueError(f"--chunks must be at least 1, got {args.chunks}")
     corpus = corpus_mod.resolve_corpus(args.text, args.dataset)
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
+    if engine:  # what the engine loads (vLLM: the converted checkpoint, written by the load above), or one line
+        engine_peers.check_model(kv, args.model)
     meta.check_context(model, args.context, "--context")
     _options.check_prefill_chunk(args, model)
     ids = corpus_mod.tokenize(corpus, tokenizer)
@@ -49,12 +53,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvsqueeze ppl: {args.kv}, protocol {protocol} (prefix {prefix}{chunking}), {args.chunks} x "
           f"{args.context} tokens of {corpus.name}, {threads} threads")
     print(f"corpus {corpus_mod.summary(corpus)}; found by: {'; '.join(corpus.resolution)}")
-    if vllm_peer.is_vllm(kv):
+    if engine:
         from kvsqueeze.layout import model_kv_layout
 
-        # the plugin's bytes depend on the model's head_dim (its packed cells): computed from the layout
-        layout = model_kv_layout(model.config) if kv.plugin_format else None
-        res = vllm_peer.run_ppl(kv, chunks, args.model, threads, layout=layout)
+        # bytes computed from the model's layout (vLLM's own dtypes: bits per element from the dtype alone)
+        layout = None if vllm_peer.is_vllm(kv) and not kv.plugin_format else model_kv_layout(model.config)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        res = engine_peers.run_ppl(kv, chunks, args.model, threads, layout=layout, vocab=vocab)
     else:
         res = run_ppl(model, chunks, args.kv, protocol, prefix, prefill_chunk=args.prefill_chunk)
     wall = time.perf_counter() - start
@@ -65,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         bits = "n/a" if b["bits_per_element"] is None else f"{b['bits_per_element']:.3f}"
         size = f"{bits} bits/element with all metadata, {b['bytes_per_token']:.0f} KV bytes/token"
+        if engine:
+            size += f" (computed from the storage types; {res['engine']})"
     print(f"ppl {res['ppl']:.4f} over {res['tokens_scored']} tokens ({res['scored_positions']}); {size}; "
           f"{wall:.1f} s")
     if res.get("vllm_pool"):
-        from kvsqueeze.eval import vllm_peer
-
         print(vllm_peer.pool_line(res["vllm_pool"]))
     if args.json:
         record = {

@@ -37,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from kvsqueeze.eval.speed import lifetime_max_rss, measure_speed
 
     start = time.perf_counter()
-    from kvsqueeze.eval import vllm_peer
+    from kvsqueeze.eval import engine_peers, vllm_peer
 
     kv = _options.resolve_kv_option(args.kv)
+    engine = engine_peers.is_engine(kv)
     for what, v in (("--context", args.context), ("--decode-tokens", args.decode_tokens), ("--batch", args.batch)):
         if v < 1:
             raise ValueError(f"{what} must be at least 1, got {v}")
@@ -47,12 +48,12 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_context is not None and (budget is None or args.batch_context < 1):
         raise ValueError("--batch-context takes a positive number of tokens, with --budget (the budget it projects "
                          f"into); got {args.batch_context}{'' if budget is not None else ' without --budget'}")
-    if budget is not None and vllm_peer.is_vllm(kv):
-        raise ValueError("--budget projects from a cache measured in this process; vLLM's cache lives in its own "
-                         "process (drop --budget for vllm:* caches)")
-    if vllm_peer.is_vllm(kv) and (args.device != "cpu" or args.random_weights or args.compile):
-        raise ValueError("vllm:* caches run the model in vLLM's own process: --device, --random-weights and --compile "
-                         "apply to kvsqueeze and transformers caches only")
+    if budget is not None and engine:
+        raise ValueError("--budget projects from a cache measured in this process; vLLM's and llama.cpp's caches "
+                         "live in their own engines (drop --budget for vllm:* and llamacpp:* caches)")
+    if engine and (args.device != "cpu" or args.random_weights or args.compile):
+        raise ValueError("vllm:* and llamacpp:* caches run the model in their own engine: --device, --random-weights "
+                         "and --compile apply to kvsqueeze and transformers caches only")
     model, threads = _options.model_for_device(args)
     meta.check_context(model, args.context + args.decode_tokens, "--context + --decode-tokens")
     _options.check_prefill_chunk(args, model)
@@ -61,17 +62,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvsqueeze speed: {args.kv}, context {args.context}, batch {args.batch}, {args.decode_tokens} decode "
           f"steps, prefill chunk {args.prefill_chunk or 'one pass'}, {threads} threads, {args.device} "
           f"{str(model.dtype).replace('torch.', '')}{name}{', compiled decode' if args.compile else ''}")
-    if vllm_peer.is_vllm(kv):
+    if engine:
         from kvsqueeze.layout import model_kv_layout
 
+        engine_peers.check_model(kv, args.model)
         vocab = model.get_output_embeddings().weight.shape[0]
-        r = vllm_peer.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads,
-                                    layout=model_kv_layout(model.config))
+        r = engine_peers.measure_speed(kv, args.model, vocab, args.context, args.decode_tokens, args.batch, threads,
+                                       layout=model_kv_layout(model.config))
         b = r.get("kv_bytes")
         size = "" if b is None else (f"; KV {b['total'] / 2**20:.2f} MiB = {b['bits_per_element']:.3f} bits/element, "
-                                     f"computed from the dtype")
+                                     f"computed from the {'dtype' if vllm_peer.is_vllm(kv) else 'storage types'}")
+        where = "in its own process" if vllm_peer.is_vllm(kv) else "its median step"
         print(f"prefill {r['prefill_s']:.3f} s ({r['prefill_tokens_per_s']:.0f} tokens/s); decode "
-              f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, in its own process)"
+              f"{r['decode_ms_per_token']:.2f} ms/token (batch {args.batch}, {r['engine']}, {where})"
               f"{size}")
         if r.get("vllm_pool"):
             print(vllm_peer.pool_line(r["vllm_pool"]))

@@ -1,5 +1,5 @@
 """The main job: perplexity, retrieval, speed and memory of kvsqueeze presets, transformers' caches and (named with
-``--kv vllm:<dtype>``) vLLM's, measured in one run on one model, written as report.md + results.json + PNG plots
+``--kv vllm:<dtype>`` / ``llamacpp:<type>``) vLLM's and llama.cpp's, measured in one run on one model, written as report.md + results.json + PNG plots
 under bench/<timestamp>/."""
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..errors import UnsupportedCacheError
 from ..external.vllm_client import VllmError
 from ..layout import model_kv_layout
 from ..resolve import resolve_kv
 from ..spec import DEFAULT_PREFILL_CHUNK, check_prefill_chunk
-from . import meta, report, vllm_peer
+from . import engine_peers, meta, report
 from .capacity import DEFAULT_BUDGET
+from .engine_peers import is_engine
 from .peers import PEERS, Peer, describe
 from .retrieval import generated_haystack
 from .vllm_peer import is_vllm
@@ -91,7 +93,7 @@ def make_plan(quick: bool, caches: list[str] | None = None, **overrides: Any) ->
                 plan.skipped.append(f"{name}: {exc}")
         plan.caches = usable
     _validate(plan)
-    vllm_peer.check_runs_here([kv for kv in map(resolve_kv, plan.caches) if is_vllm(kv)])  # after cheap checks
+    engine_peers.check_runs_here([kv for kv in map(resolve_kv, plan.caches) if is_engine(kv)])  # after cheap checks
     return plan
 
 
@@ -148,8 +150,9 @@ def estimate_seconds(plan: BenchPlan, model: Any, with_ppl: bool) -> float:
 
     total = 0.0
     for name in plan.caches:
-        if is_vllm(resolve_kv(name)):  # one engine start, then about a plain forward's cost
-            total += VLLM_ENGINE_START_S + sum(pre(n) + plan.speed_decode_tokens * dec(n) for n in plan.speed_contexts)
+        if is_engine(resolve_kv(name)):  # one engine start, then about a plain forward's cost
+            start_s = VLLM_ENGINE_START_S if is_vllm(resolve_kv(name)) else 1.0  # llama.cpp: a GGUF load
+            total += start_s + sum(pre(n) + plan.speed_decode_tokens * dec(n) for n in plan.speed_contexts)
             total += plan.ppl_chunks * pre(plan.ppl_context) if with_ppl else 0.0
             continue
         f = factor(name)
@@ -202,8 +205,8 @@ def _bar(total: int, desc: str, enabled: bool) -> tqdm:
 
 
 def _in_process(plan: BenchPlan) -> list[str]:
-    """The caches measured in this process (all but vLLM's: :func:`run_vllm_stage`)."""
-    return [c for c in plan.caches if not is_vllm(resolve_kv(c))]
+    """The caches measured through transformers (all but the engine peers': :func:`run_engine_stage`)."""
+    return [c for c in plan.caches if not is_engine(resolve_kv(c))]
 
 
 def run_ppl_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool) -> dict[str, dict[str, Any]]:
@@ -284,22 +287,23 @@ def run_capacity_stage(model: Any, plan: BenchPlan, speed: dict[str, dict[str, A
     return out
 
 
-def run_vllm_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool, model_source: str | None,
-                   threads: int, results: dict[str, Any]) -> dict[str, str]:
-    """vLLM's rows: perplexity (all-quantized protocol) on the same ``chunks`` and speed on the same prompts, one
-    engine per KV dtype in a child process, added to ``results["ppl"]["all-quantized"]`` and ``results["speed"]``.
-    A vLLM failure (say a model vLLM cannot load) does not end the bench: returns {name: the one-line reason}."""
+def run_engine_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool, model_source: str | None,
+                     threads: int, results: dict[str, Any]) -> dict[str, str]:
+    """The engine peers' rows (vLLM, one engine per KV dtype in a child process; llama.cpp through its bindings):
+    perplexity (all-quantized protocol) on the same ``chunks`` and speed on the same prompts, added to
+    ``results["ppl"]["all-quantized"]`` and ``results["speed"]``.  An engine's failure (say a model it cannot
+    load) does not end the bench: returns {name: the one-line reason}."""
     failed: dict[str, str] = {}
-    names = [c for c in plan.caches if is_vllm(resolve_kv(c))]
+    names = [c for c in plan.caches if is_engine(resolve_kv(c))]
     vocab = model.get_output_embeddings().weight.shape[0]
     contexts = sorted(plan.speed_contexts)
-    with _bar(len(names), "vLLM", progress) as bar:
+    with _bar(len(names), "engines", progress) as bar:
         for name in names:
             bar.set_postfix_str(name)
             try:
-                ppl, speed = vllm_peer.measure(resolve_kv(name), chunks, model_source, vocab, contexts,
-                                               plan.speed_decode_tokens, threads, model_kv_layout(model.config))
-            except VllmError as exc:
+                ppl, speed = engine_peers.measure(resolve_kv(name), chunks, model_source, vocab, contexts,
+                                                  plan.speed_decode_tokens, threads, model_kv_layout(model.config))
+            except (VllmError, UnsupportedCacheError) as exc:
                 failed[name] = str(exc)
             else:
                 if ppl is not None:
@@ -310,13 +314,15 @@ def run_vllm_stage(model: Any, chunks: Any, plan: BenchPlan, progress: bool, mod
 
 
 def not_measured(plan: BenchPlan, failed: dict[str, str]) -> dict[str, dict[str, str]]:
-    """Per cache, the report cells it cannot fill and why (short): vLLM's protocols and memory, a vLLM failure."""
+    """Per cache, the report cells it cannot fill and why (short): an engine peer's protocols and memory, its
+    engine's failure."""
     out: dict[str, dict[str, str]] = {}
     for name in plan.caches:
-        if is_vllm(resolve_kv(name)):
-            out[name] = {**vllm_peer.NOT_APPLICABLE, "retrieval": "not run through vLLM"}
+        kv = resolve_kv(name)
+        if is_engine(kv):
+            out[name] = engine_peers.not_applicable(kv)
             if name in failed:
-                out[name] |= {"all-quantized": "vLLM failed", "speed": "vLLM failed"}
+                out[name] |= {"all-quantized": "its engine failed", "speed": "its engine failed"}
     return out
 
 
@@ -335,8 +341,8 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
             raise
         corpus_missing = str(exc)  # not even the corpus Python ships: perplexity is skipped, with the reason
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
-    if any(is_vllm(resolve_kv(c)) for c in plan.caches):
-        vllm_peer.model_dir(args.model)  # the Hugging Face directory vLLM will load, or one line now
+    for kv in {c: resolve_kv(c) for c in plan.caches if is_engine(resolve_kv(c))}.values():
+        engine_peers.check_model(kv, args.model)  # what vLLM / llama.cpp will load, or one line now
     for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
                     ("speed context", max(plan.speed_contexts))):
         meta.check_context(model, n, what)
@@ -367,7 +373,7 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
     results["retrieval"] = run_retrieval_stage(model, tokenizer, plan, progress)
     results["speed"] = run_speed_stage(model, plan, progress)
     results["capacity"] = run_capacity_stage(model, plan, results["speed"])
-    failed = run_vllm_stage(model, chunks, plan, progress, args.model, threads, results)
+    failed = run_engine_stage(model, chunks, plan, progress, args.model, threads, results)
     results["not_measured"] = not_measured(plan, failed)
     plan.skipped += [f"{name}: {reason}" for name, reason in failed.items()]
     results["skipped"] = plan.skipped

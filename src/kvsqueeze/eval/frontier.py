@@ -3,10 +3,12 @@
 Nothing is measured here that the bench does not measure: the caches go through :func:`bench.run_ppl_stage`
 (window and all-quantized protocols for kvsqueeze caches, the decode protocol for transformers' caches, with
 kvsqueeze's decode column computed by the window protocol with the same prefix, which equals real decoding
-through its cache) and :func:`bench.run_vllm_stage` for vLLM's (all-quantized).  This module only picks, per
+through its cache) and :func:`bench.run_engine_stage` for vLLM's and llama.cpp's (all-quantized).  This module only picks, per
 budget and protocol, the lowest perplexity among the caches whose bits per element of the quantized part (every
 scale, zero-point, centre and outlier counted, the full-precision window and sinks not) are within the budget,
-and writes the table (markdown + JSON) and the plot (:func:`report.plot_ppl_vs_bits`).
+and writes the table (markdown + JSON) and the plot (:func:`report.plot_ppl_vs_bits`).  A peer that runs its own
+engine (vLLM, llama.cpp: other weights or kernels than the model kvsqueeze runs) is ranked and compared by its
+change against its engine's own unquantized cache, measured in the same run (``vllm:auto``, ``llamacpp:f16``).
 """
 
 from __future__ import annotations
@@ -17,22 +19,24 @@ from typing import Any
 from ..atomic_dir import write_file_atomic
 from ..resolve import resolve_kv
 from . import meta, report
+from .engine_peers import reference_of
 
 BUDGETS = (2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
-PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-quanto-int2-axis1", "hf-quanto-int4-axis1", "vllm:fp8_e4m3")
+PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-quanto-int2-axis1", "hf-quanto-int4-axis1", "vllm:fp8_e4m3",
+         "llamacpp:q4_0", "llamacpp:q4_1")
 PROTOCOLS = ("window", "all-quantized", "decode")
 EPS = 1e-6  # bits compared to a budget: 3.0000001 from float sums still fits 3.0
 
 
 def usable(names: list[str]) -> tuple[list[str], list[str]]:
     """The names that resolve here (a peer whose library or engine is missing does not), and one note per other."""
-    from .vllm_peer import check_runs_here, is_vllm
+    from .engine_peers import check_runs_here, is_engine
 
     ok, skipped = [], []
     for name in dict.fromkeys(names):
         try:
             kv = resolve_kv(name)
-            if is_vllm(kv):
+            if is_engine(kv):
                 check_runs_here([kv])
         except Exception as exc:  # noqa: BLE001 - any reason a peer cannot run here is a skip note
             skipped.append(f"{name}: {' '.join(str(exc).split())}")
@@ -49,10 +53,15 @@ def bits_of(r: dict[str, Any]) -> float | None:
     return b if b is not None else r.get("bits_per_element")
 
 
-def best_at(column: dict[str, dict[str, Any]], budget: float, kinds: dict[str, str], kind: str
-            ) -> tuple[str, dict[str, Any]] | None:
-    """The lowest-ppl cache of ``kind`` ("preset" or "peer") in ``column`` within ``budget`` bits."""
-    fits = [(r["ppl"], name) for name, r in column.items()
+def best_at(column: dict[str, dict[str, Any]], budget: float, kinds: dict[str, str], kind: str,
+            base: float | None = None) -> tuple[str, dict[str, Any]] | None:
+    """The cache of ``kind`` ("preset" or "peer") in ``column`` within ``budget`` bits with the lowest perplexity
+    change (:func:`report.own_delta` against ``base``; the lowest perplexity where no change can be computed)."""
+    def score(name: str) -> float:
+        d = report.own_delta(column, name, base)
+        return column[name]["ppl"] if d is None else d
+
+    fits = [(score(name), name) for name, r in column.items()
             if kinds.get(name) == kind and name != "full" and (b := bits_of(r)) is not None and b <= budget + EPS]
     if not fits:
         return None
@@ -71,12 +80,18 @@ def frontier_rows(results: dict[str, Any], budgets: tuple[float, ...] = BUDGETS)
             base = report.baseline(results, protocol)
             cell = {}
             for kind, key in (("preset", "kvsqueeze"), ("peer", "peer")):
-                hit = best_at(column, budget, kinds, kind)
+                hit = best_at(column, budget, kinds, kind, base)
                 cell[key] = None if hit is None else {
                     "kv": hit[0], "bits": bits_of(hit[1]), "ppl": hit[1]["ppl"],
-                    "delta_percent": report.delta(hit[1]["ppl"], base)}
+                    "delta_percent": report.own_delta(column, hit[0], base), "against": reference_of(hit[0])
+                    if reference_of(hit[0]) in column else None}
             ours, peer = cell["kvsqueeze"], cell["peer"]
-            cell["kvsqueeze_ahead"] = None if ours is None or peer is None else ours["ppl"] < peer["ppl"]
+            if ours is None or peer is None:
+                cell["kvsqueeze_ahead"] = None
+            elif ours["delta_percent"] is not None and peer["delta_percent"] is not None:
+                cell["kvsqueeze_ahead"] = ours["delta_percent"] < peer["delta_percent"]  # each against its own
+            else:
+                cell["kvsqueeze_ahead"] = ours["ppl"] < peer["ppl"]
             row[protocol] = cell
         rows.append(row)
     return rows
@@ -85,26 +100,33 @@ def frontier_rows(results: dict[str, Any], budgets: tuple[float, ...] = BUDGETS)
 def _cell(c: dict[str, Any] | None) -> str:
     if c is None:
         return "–"
-    d = "" if c["delta_percent"] is None else f" ({c['delta_percent']:+.2f}%)"
+    against = f" vs {c['against']}" if c.get("against") else ""
+    d = "" if c["delta_percent"] is None else f" ({c['delta_percent']:+.2f}%{against})"
     name = Path(c["kv"]).name if "/" in c["kv"] else c["kv"]  # an artifact directory: its name
     return f"`{name}` {c['bits']:.3f} b: {c['ppl']:.3f}{d}"
 
 
 def markdown(rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
-    lines = ["| budget (bits) | window: best kvsqueeze | all-quantized: best kvsqueeze | decode: best kvsqueeze* "
-             "| decode: best peer | kvsqueeze ahead (decode) |", "|---|---|---|---|---|---|"]
+    def yes(x: bool | None) -> str:
+        return "–" if x is None else "yes" if x else "no"
+
+    lines = ["| budget (bits) | window: best kvsqueeze | all-quantized: best kvsqueeze | all-quantized: best peer "
+             "| kvsqueeze ahead (all-quantized) | decode: best kvsqueeze* | decode: best peer "
+             "| kvsqueeze ahead (decode) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        ahead = row["decode"]["kvsqueeze_ahead"]
-        lines.append(f"| {row['budget']:g} | {_cell(row['window']['kvsqueeze'])} | "
-                     f"{_cell(row['all-quantized']['kvsqueeze'])} | {_cell(row['decode']['kvsqueeze'])} | "
-                     f"{_cell(row['decode']['peer'])} | {'–' if ahead is None else 'yes' if ahead else 'no'} |")
+        aq, dec = row["all-quantized"], row["decode"]
+        lines.append(f"| {row['budget']:g} | {_cell(row['window']['kvsqueeze'])} | {_cell(aq['kvsqueeze'])} | "
+                     f"{_cell(aq['peer'])} | {yes(aq['kvsqueeze_ahead'])} | {_cell(dec['kvsqueeze'])} | "
+                     f"{_cell(dec['peer'])} | {yes(dec['kvsqueeze_ahead'])} |")
     base = {p: report.baseline(results, p) for p in PROTOCOLS}
     lines += ["", "Full precision: " + ", ".join(f"{p} {b:.3f}" for p, b in base.items() if b is not None) + ".",
               "Bits: per element of the quantized part, every scale, zero-point, centre and outlier counted "
               "(measured on the real cache); the full-precision window, sinks and a peer's residual are not.",
               "*decode column of kvsqueeze caches: the window protocol with the same prefix (equal to decoding "
-              "through the real cache); peers decode token by token. An all-quantized peer (vLLM) appears in "
-              "that column only.", ""]
+              "through the real cache); transformers' peers decode token by token. Peers with an engine of their "
+              "own (vLLM, llama.cpp) keep no full-precision window: they appear in the all-quantized columns, "
+              "their change against their engine's own unquantized cache (`vs ...`), which is what kvsqueeze's "
+              "change against `full` is compared with.", ""]
     if results.get("skipped"):
         lines += ["Skipped: " + "; ".join(results["skipped"]), ""]
     return "\n".join(lines)
@@ -128,11 +150,13 @@ def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float
 
     ``previous``: an earlier frontier.json of the same chunks, model and decode tokens; its measurements are
     kept and only the caches it lacks are measured (a calibration artifact added to an existing frontier)."""
-    from .bench import make_plan, not_measured, run_ppl_stage, run_vllm_stage
+    from .bench import make_plan, not_measured, run_engine_stage, run_ppl_stage
     from .peers import describe
 
     info = info or {}
-    names, skipped = usable(["full", *names])
+    # an engine peer's own unquantized cache goes with it: its rows are read against it
+    refs = [r for n in names if (r := reference_of(n)) is not None and r != n]
+    names, skipped = usable(["full", *names, *refs])
     done: set[str] = set()
     if previous is not None:
         _same_setting(previous, chunks, decode_tokens, info)
@@ -146,7 +170,7 @@ def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float
                                "caches": describe(todo), "skipped": skipped, "speed": {}, "ppl": {}}
     if todo:
         results["ppl"] = run_ppl_stage(model, chunks, plan, progress)
-    failed = run_vllm_stage(model, chunks, plan, progress, model_source, threads, results) if todo else {}
+    failed = run_engine_stage(model, chunks, plan, progress, model_source, threads, results) if todo else {}
     results["not_measured"] = not_measured(plan, failed) if todo else {}
     results["skipped"] += [f"{n}: {why}" for n, why in failed.items()]
     if previous is not None:  # earlier measurements first, this run's added

@@ -12,6 +12,8 @@ Importing this module registers them with :func:`kvsqueeze.resolve.register_peer
   consecutive tokens of the flattened batch x heads x tokens axis).
 * ``hf-fp8``: ``transformers.QuantizedCache(backend="fp8")``: float8-e4m3 with one scale per layer tensor.
 * ``vllm:<kv_cache_dtype>``: vLLM's own cache, run in a child process (:mod:`kvsqueeze.eval.vllm_peer`).
+* ``llamacpp:<type>`` / ``llamacpp:<type_k>-<type_v>``: llama.cpp's own cache types, through llama-cpp-python on
+  the GGUF file (:mod:`kvsqueeze.eval.llamacpp_peer`).
 
 Bytes are counted from what the peer really stores (quanto's packed codes, its scales and shifts in the model
 dtype, the full-precision residual), never from a formula.  The only module reading the peers' internals.
@@ -30,7 +32,8 @@ import torch
 from ..cache.accounting import ByteTotals
 from ..resolve import register_peer, resolve_kv
 from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec, check_prefill_chunk
-from . import vllm_peer  # noqa: F401  (registers the vllm:<kv_cache_dtype> peers)
+from . import llamacpp_peer, vllm_peer  # noqa: F401  (register the vllm:<kv_cache_dtype> and llamacpp:<type> peers)
+from .engine_peers import is_engine
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,6 @@ def describe(names: Iterable[str]) -> list[dict[str, Any]]:
     out = []
     for n in names:
         kv = resolve_kv(n)
-        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer) or vllm_peer.is_vllm(kv)
+        out.append({"name": n, "kind": "peer", **kv.settings()} if isinstance(kv, Peer) or is_engine(kv)
                    else {"name": n, "kind": "preset", "spec": kv.to_dict(), "label": kv.label()})
     return out

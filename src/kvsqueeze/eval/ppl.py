@@ -11,10 +11,10 @@ import torch
 
 from ..resolve import resolve_kv
 from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec
+from .engine_peers import check_protocol as check_engine_protocol
+from .engine_peers import is_engine
 from .peers import Peer, footprint, make_cache, prefill
 from .protocols import PROTOCOLS, nll_all_quantized, nll_decode, nll_window, protocol_note, scored_start
-from .vllm_peer import VllmPeer, is_vllm
-from .vllm_peer import check_protocol as check_vllm_protocol
 
 
 def default_prefix(protocol: str, context: int) -> int:
@@ -23,11 +23,12 @@ def default_prefix(protocol: str, context: int) -> int:
     return context // 2 if protocol == "decode" else 0
 
 
-def check_protocol(kv: CacheSpec | Peer | VllmPeer, protocol: str, prefix: int, context: int) -> None:
+def check_protocol(kv: Any, protocol: str, prefix: int, context: int) -> None:
+    """``kv``: a CacheSpec, a transformers peer or an engine peer (vLLM, llama.cpp)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; allowed: {', '.join(PROTOCOLS)}")
-    if is_vllm(kv):
-        check_vllm_protocol(kv, protocol)
+    if is_engine(kv):
+        check_engine_protocol(kv, protocol)
     if isinstance(kv, Peer) and protocol != "decode":
         raise ValueError(f"the peer {kv.name} can only be measured with --protocol decode: the window and "
                          f"all-quantized protocols emulate kvsqueeze's own storage")

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .engine_peers import reference_of
+
 PPL_COLUMNS = (("window", "ppl window"), ("all-quantized", "ppl all-quantized"), ("decode", "ppl decode"))
 MiB = 2**20
 
@@ -29,6 +31,16 @@ def delta(ppl: float, base: float | None) -> float | None:
     return None if base is None else 100.0 * (ppl / base - 1.0)
 
 
+def own_delta(column: dict[str, dict[str, Any]], name: str, base: float | None) -> float | None:
+    """A cache's perplexity change in percent: against its engine's own unquantized cache where it has one and
+    it was measured in ``column`` (``llamacpp:q4_0`` against ``llamacpp:f16``: other weights or kernels than the
+    model the other rows run), else against ``base``."""
+    ref = reference_of(name)
+    if ref is not None and ref in column:
+        base = column[ref]["ppl"]
+    return delta(column[name]["ppl"], base)
+
+
 def _fmt_delta(d: float | None) -> str:
     if d is None:
         return ""
@@ -42,6 +54,7 @@ def _fmt_ppl(x: float) -> str:
 
 
 VLLM_REFERENCE = "vllm:auto"  # vLLM's unquantized cache: the second reference of vLLM's quantized rows
+LLAMACPP_REFERENCE = "llamacpp:f16"  # likewise llama.cpp's default cache (engine_peers.REFERENCES)
 
 
 def not_available(results: dict[str, Any], name: str, column: str) -> str:
@@ -57,9 +70,10 @@ def ppl_cell(results: dict[str, Any], protocol: str, name: str) -> str:
         return not_available(results, name, protocol)
     mark = "*" if r.get("emulated_by") else ""
     cell = _fmt_ppl(r["ppl"]) + mark + _fmt_delta(delta(r["ppl"], baseline(results, protocol)))
-    ref = col.get(VLLM_REFERENCE)
-    if name.startswith("vllm:") and name != VLLM_REFERENCE and ref is not None:  # vLLM's own loss
-        cell += f" ({delta(r['ppl'], ref['ppl']):+.2f}% vs {VLLM_REFERENCE})"
+    ref_name = reference_of(name)
+    ref = None if ref_name is None else col.get(ref_name)
+    if ref is not None and name != ref_name:  # an engine's own loss, against its own unquantized cache
+        cell += f" ({delta(r['ppl'], ref['ppl']):+.2f}% vs {ref_name})"
     return cell
 
 
@@ -195,8 +209,8 @@ def _notes(results: dict[str, Any]) -> list[str]:
     notes = [
         "How to read it:",
         "- Caches: `kind` preset = kvsqueeze's QuantizedCache; peer = transformers' own cache "
-        "(DynamicCache, QuantizedCache with the quanto or fp8 backend) or vLLM's (`vllm:<kv_cache_dtype>`), "
-        "measured in the same run.",
+        "(DynamicCache, QuantizedCache with the quanto or fp8 backend), vLLM's (`vllm:<kv_cache_dtype>`) or "
+        "llama.cpp's (`llamacpp:<type>`), measured in the same run.",
         "- bits/element and KV bytes/token: every byte the cache holds (codes, scales and zero-points, "
         "full-precision window and sinks, a peer's residual) over the K+V elements / tokens it stores, measured "
         f"on the real cache after the {ctxs[-1]}-token speed prompt and its decode steps; in parentheses the "
@@ -216,6 +230,8 @@ def _notes(results: dict[str, Any]) -> list[str]:
     vllm = [c for c in results["caches"] if c["name"].startswith("vllm:")]
     if vllm:
         notes.append(_vllm_note(results, vllm))
+    if any(c["name"].startswith("llamacpp:") for c in results["caches"]):
+        notes.append(_llamacpp_note(results))
     if results.get("retrieval"):
         r0 = next(iter(results["retrieval"].values()))
         notes.append(f"- retrieval: passkey accuracy over lengths {', '.join(map(str, r0['lengths']))} tokens, "
@@ -302,6 +318,22 @@ def _vllm_note(results: dict[str, Any], caches: list[dict[str, Any]]) -> str:
             "is n/a (vLLM's processes are not this one). Retrieval is not run through vLLM.")
 
 
+def _llamacpp_note(results: dict[str, Any]) -> str:
+    engines = {r["engine"] for col in results.get("ppl", {}).values() for n, r in col.items()
+               if n.startswith("llamacpp:")}
+    engines |= {r["engine"] for n, per in results.get("speed", {}).items() if n.startswith("llamacpp:")
+                for r in per.values()}
+    return (f"- `llamacpp:*` rows: {', '.join(sorted(engines)) or 'llama.cpp'} in this process on the model's GGUF "
+            "file (its weights as the file stores them and llama.cpp's kernels, flash attention on; other rows run "
+            f"the model in {results['meta']['model']['dtype']} through transformers), the same chunks and prompts. "
+            "ppl: each chunk evaluated at once; llama.cpp converts every micro-batch's K/V to the cache type before "
+            "attention reads them back: the all-quantized protocol only (window and decode are n/a); in "
+            f"parentheses also the change vs `{LLAMACPP_REFERENCE}`, llama.cpp's unquantized cache. bits/element "
+            "and KV bytes/token are computed from ggml's blocks (32 elements with an fp16 scale, and an fp16 "
+            "minimum for the _1 types: q8_0 8.5, q5_1 6.0, q5_0 5.5, q4_1 5.0, q4_0 and iq4_nl 4.5 bits), not "
+            "measured. speed: one sequence, the prompt in one call, then the median greedy step; peak RSS is n/a.")
+
+
 def _retrieval_table(results: dict[str, Any]) -> list[str]:
     r0 = next(iter(results["retrieval"].values()))
     cols = [(n, d) for n in r0["lengths"] for d in r0["depths"]]
@@ -339,7 +371,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bit
     field on the x axis (``quantized_bits_per_element``: the quantized part alone, as the frontier's budgets)."""
     panels = [(p, label) for p, label in (("decode", "decode protocol (all caches)"),
                                           ("window", "window protocol (kvsqueeze)"),
-                                          ("all-quantized", "all-quantized protocol (kvsqueeze, vLLM)"))
+                                          ("all-quantized", "all-quantized protocol (kvsqueeze, vLLM, llama.cpp)"))
               if results.get("ppl", {}).get(p)]
     if not panels:
         return None
@@ -352,7 +384,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bit
         base = baseline(results, protocol)
         pts = []
         for name, r in results["ppl"][protocol].items():
-            bits, d = (r.get("kv_bytes") or {}).get(bits_field), delta(r["ppl"], base)
+            bits, d = (r.get("kv_bytes") or {}).get(bits_field), own_delta(results["ppl"][protocol], name, base)
             if bits is None or d is None:
                 continue
             pts.append((bits, d))
@@ -371,7 +403,7 @@ def plot_ppl_vs_bits(results: dict[str, Any], path: Path, bits_field: str = "bit
         ax.axhline(0, color="black", lw=0.5)
         ax.set_xlabel("bits per element (all metadata and full-precision parts)" if bits_field == "bits_per_element"
                       else "bits per element of the quantized part (all metadata)")
-        ax.set_ylabel("ppl change vs full precision (%)")
+        ax.set_ylabel("ppl change vs full precision (%; an engine peer: vs its own)")
         ax.set_title(label, fontsize=9)
     fig.suptitle("Perplexity vs storage (circles: kvsqueeze presets, triangles: peers)", fontsize=10)
     fig.tight_layout()
