@@ -147,6 +147,17 @@ def test_llamacpp_f16_matches_transformers_and_its_quantized_caches_cost_what_th
 
 
 @needs_llamacpp
+def test_every_allowed_type_runs_in_llamacpp():
+    # each name the peer family accepts reaches llama.cpp as a cache type it takes (the bindings lack some ids)
+    from kvsqueeze.eval.llamacpp_peer import TYPES, run_ppl
+
+    chunks = torch.arange(100, 132)[None]
+    got = {t: run_ppl(make_peer(f"llamacpp:{t}"), chunks, None, 1)["ppl"] for t in TYPES}
+    assert all(torch.isfinite(torch.tensor(v)) for v in got.values())
+    assert got["bf16"] != got["f16"] or got["q4_0"] != got["f16"]  # the types really differ in what they store
+
+
+@needs_llamacpp
 def test_ppl_and_speed_commands_print_llamacpp_rows(tmp_path, capsys):
     out = tmp_path / "ppl.json"
     assert main(["ppl", "--kv", "llamacpp:q8_0-q4_0", "--context", "128", "--chunks", "1", "--dataset",

@@ -43,6 +43,8 @@ INSTALL_HINT = ("llama.cpp peers need llama-cpp-python (`pip install llama-cpp-p
 NOT_APPLICABLE = {"window": "llama.cpp quantizes every token", "decode": "llama.cpp quantizes every token",
                   "peak_rss": "llama.cpp's memory is not split from this process's"}
 UBATCH = 512  # llama.cpp's default micro-batch
+# ggml.h's type ids the Python bindings do not name (llama-cpp-python 0.3.36 has no GGML_TYPE_BF16)
+_GGML_IDS = {"bf16": 30}
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def gguf_path(model_source: str | Path | None) -> Path:
 def _engine(path: Path, n_ctx: int, peer: LlamaCppPeer, threads: int, logits_all: bool = True):
     import llama_cpp
 
-    kinds = {t: getattr(llama_cpp, f"GGML_TYPE_{t.upper()}") for t in (peer.type_k, peer.type_v)}
+    kinds = {t: getattr(llama_cpp, f"GGML_TYPE_{t.upper()}", _GGML_IDS.get(t)) for t in (peer.type_k, peer.type_v)}
     return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, UBATCH),
                            n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, flash_attn=True,
                            type_k=kinds[peer.type_k], type_v=kinds[peer.type_v], logits_all=logits_all,
