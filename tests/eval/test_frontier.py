@@ -73,7 +73,7 @@ def test_frontier_command_end_to_end(tiny_model_dir, tiny_corpus, tmp_path, caps
     assert "vllm:fp8_e4m3" in names or any(s.startswith("vllm:fp8_e4m3") for s in res["skipped"])
 
 
-def test_frontier_add_to_measures_only_the_new_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys):
+def test_frontier_add_to_measures_only_the_new_cache(tiny_model_dir, tiny_corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "f"
     common = ["frontier", "--model", str(tiny_model_dir), "--text", str(tiny_corpus), "--peers", "hf-quanto-int2",
               "--budgets", "3,4", "--context", "200", "--chunks", "1", "--decode-tokens", "4", "--threads", "1",
@@ -86,6 +86,15 @@ def test_frontier_add_to_measures_only_the_new_cache(tiny_model_dir, tiny_corpus
     assert set(res["ppl"]["window"]) == {"full", "kivi-2", "kivi-3"}
     assert [c["name"] for c in res["caches"]] == ["full", "kivi-2", "hf-quanto-int2", "kivi-3"]
     assert {r["budget"]: r["window"]["kvsqueeze"]["kv"] for r in res["frontier"]}[3.0] == "kivi-2"
+    # a cache the earlier run measured is kept even where it could not run now (say vLLM is not set up here)
+    res["caches"].append({"name": "vllm:fp8_e4m3", "kind": "peer"})
+    res["ppl"]["all-quantized"]["vllm:fp8_e4m3"] = {"ppl": 9.9, "quantized_bits_per_element": 8.0}
+    (out / "frontier.json").write_text(json.dumps(res))
+    monkeypatch.delenv("KVSQUEEZE_VLLM_PYTHON", raising=False)
+    assert main([*common, "--kv", "kivi-2,kivi-3", "--peers", "hf-quanto-int2,vllm:fp8_e4m3", "--add-to"]) == 0
+    res = json.loads((out / "frontier.json").read_text())
+    assert res["ppl"]["all-quantized"]["vllm:fp8_e4m3"]["ppl"] == 9.9
+    assert not any(s.startswith("vllm:fp8_e4m3") for s in res["skipped"])
     capsys.readouterr()
     other = [("100" if a == "200" else a) for a in common]  # another context: other chunks
     assert main([*other, "--kv", "kivi-3", "--add-to"]) == 2  # refused in one line

@@ -156,11 +156,14 @@ def run_frontier(model: Any, chunks: Any, names: list[str], budgets: tuple[float
     info = info or {}
     # an engine peer's own unquantized cache goes with it: its rows are read against it
     refs = [r for n in names if (r := reference_of(n)) is not None and r != n]
-    names, skipped = usable(["full", *names, *refs])
+    wanted = list(dict.fromkeys(["full", *names, *refs]))
     done: set[str] = set()
     if previous is not None:
         _same_setting(previous, chunks, decode_tokens, info)
         done = {c["name"] for c in previous["caches"]}
+    # only what is still to measure must be usable here (an earlier run's vLLM row stays without vLLM)
+    fresh, skipped = usable([n for n in wanted if n not in done])
+    names = [n for n in wanted if n in done or n in fresh]
     todo = [n for n in names if n not in done]
     plan = make_plan(True, todo or ["full"], ppl_context=int(chunks.shape[1]), ppl_chunks=int(chunks.shape[0]),
                      ppl_decode_tokens=decode_tokens)
