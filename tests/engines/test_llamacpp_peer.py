@@ -65,6 +65,13 @@ def test_bits_follow_ggml_blocks():
     assert make_peer("llamacpp:f16-q4_0").quantized
 
 
+def test_records_say_whether_llamacpp_rotates(monkeypatch):
+    monkeypatch.delenv("LLAMA_ATTN_ROT_DISABLE", raising=False)
+    assert make_peer("llamacpp:q4_0").settings()["hadamard_rotation"].startswith("llama.cpp's default")
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    assert make_peer("llamacpp:q4_0").settings()["hadamard_rotation"] == "off (LLAMA_ATTN_ROT_DISABLE)"
+
+
 def test_kv_bytes_are_computed_from_the_blocks():
     per_side = 1024 * 2 * 30 * 3 * 64  # tokens x batch x layers x KV heads x head_dim
     q = kv_bytes(make_peer("llamacpp:q4_0"), LAYOUT, tokens=1024, batch=2)

@@ -8,7 +8,9 @@ checkpoint transformers runs, so its rows compare with its own unquantized cache
 with ``vllm:auto``).  Perplexity: each chunk is evaluated in one call; llama.cpp copies every micro-batch's K/V
 into its cache, converting them to the cache type, and then attends over the cache (``build_attn`` in its
 src/llama-graph.cpp: ``cpy_k`` then ``get_k``), so every token's K/V is read quantized, its own included:
-kvsqueeze's ``all-quantized`` protocol (``window`` and ``decode`` are refused).  Flash attention is on for every row
+kvsqueeze's ``all-quantized`` protocol (``window`` and ``decode`` are refused).  Recent llama.cpp (the one
+llama-cpp-python 0.3.36 vendors) also rotates queries and keys, and values, by a Hadamard matrix before a quantized
+cache stores them (head_dim a multiple of 64; ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): every record says which.  Flash attention is on for every row
 (llama.cpp needs it for a quantized V cache), so rows differ only in the cache type.  Bytes are computed from
 ggml's block layouts (ggml-common.h: 32 elements per block, an fp16 scale, and an fp16 minimum for the ``_1``
 types), as llama.cpp allocates them; nothing here is measured from its process memory.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +78,7 @@ class LlamaCppPeer:
 
     def settings(self) -> dict[str, Any]:
         return {"backend": "llama.cpp", "type_k": self.type_k, "type_v": self.type_v, "flash_attn": True,
-                "description": self.description}
+                "hadamard_rotation": rotation_note(), "description": self.description}
 
     def side_bits(self, side: str) -> float:
         block, nbytes = TYPES[self.type_k if side == "k" else self.type_v]
@@ -101,6 +104,13 @@ def make_peer(name: str) -> LlamaCppPeer:
 
 
 register_peer_family(PREFIX, make_peer)
+
+
+def rotation_note() -> str:
+    """Whether llama.cpp rotates quantized K/V here (its default, or off by its environment variable)."""
+    off = os.environ.get("LLAMA_ATTN_ROT_DISABLE", "").strip() not in ("", "0")
+    return ("off (LLAMA_ATTN_ROT_DISABLE)" if off else
+            "llama.cpp's default: on for quantized types where head_dim is a multiple of 64 (versions that have it)")
 
 
 def is_llamacpp(kv: Any) -> bool:

@@ -328,7 +328,8 @@ def _llamacpp_note(results: dict[str, Any]) -> str:
             f"the model in {results['meta']['model']['dtype']} through transformers), the same chunks and prompts. "
             "ppl: each chunk evaluated at once; llama.cpp converts every micro-batch's K/V to the cache type before "
             "attention reads them back: the all-quantized protocol only (window and decode are n/a); in "
-            f"parentheses also the change vs `{LLAMACPP_REFERENCE}`, llama.cpp's unquantized cache. bits/element "
+            f"parentheses also the change vs `{LLAMACPP_REFERENCE}`, llama.cpp's unquantized cache. Recent llama.cpp "
+            "rotates quantized K/V by a Hadamard matrix (each row's settings say whether it was on). bits/element "
             "and KV bytes/token are computed from ggml's blocks (32 elements with an fp16 scale, and an fp16 "
             "minimum for the _1 types: q8_0 8.5, q5_1 6.0, q5_0 5.5, q4_1 5.0, q4_0 and iq4_nl 4.5 bits), not "
             "measured. speed: one sequence, the prompt in one call, then the median greedy step; peak RSS is n/a.")
