@@ -196,3 +196,41 @@ def test_bench_with_llamacpp_rows(tmp_path):
     md = (folder / "report.md").read_text()
     assert "vs llamacpp:f16" in md and "`llamacpp:*` rows" in md
     assert torch.isfinite(torch.tensor(col["llamacpp:q4_0"]["ppl"]))
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("kind,block_bytes", [("q8_0", 34), ("q4_0", 18)])
+def test_the_formats_benchmark_stores_what_ggml_stores(kind, block_bytes):
+    """benchmarks/llamacpp_formats.py's emulation of ggml's q8_0 / q4_0 equals ggml's own reference quantizer
+    followed by its dequantizer (from the library llama-cpp-python ships), bit for bit."""
+    import ctypes
+    import importlib.util as iu
+    from pathlib import Path
+
+    import llama_cpp
+
+    root = Path(__file__).resolve().parents[2]
+    spec = iu.spec_from_file_location("llamacpp_formats", root / "benchmarks" / "llamacpp_formats.py")
+    bench = iu.module_from_spec(spec)
+    import sys
+
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    (lib_path,) = sorted(Path(llama_cpp.__file__).parent.glob("lib/libggml-base.so"))
+    lib = ctypes.CDLL(str(lib_path))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 64, generator=g) * torch.logspace(-3, 2, 64)[:, None]
+    x[3] = 0.0  # an all-zero block: scale 0
+    x[5, :32] = torch.linspace(-1, 1, 32)
+    flat = x.reshape(-1).contiguous()
+    n = flat.numel()
+    packed = (ctypes.c_uint8 * (n // 32 * block_bytes))()
+    out = torch.empty(n)
+    fptr = ctypes.cast(flat.data_ptr(), ctypes.POINTER(ctypes.c_float))
+    getattr(lib, f"quantize_row_{kind}_ref")(fptr, packed, ctypes.c_int64(n))
+    getattr(lib, f"dequantize_row_{kind}")(packed, ctypes.cast(out.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                                           ctypes.c_int64(n))
+    assert torch.equal(bench.ggml_roundtrip(x, kind).reshape(-1), out)
