@@ -10,10 +10,10 @@ into its cache, converting them to the cache type, and then attends over the cac
 src/llama-graph.cpp: ``cpy_k`` then ``get_k``), so every token's K/V is read quantized, its own included:
 kvsqueeze's ``all-quantized`` protocol (``window`` and ``decode`` are refused).  Recent llama.cpp (the one
 llama-cpp-python 0.3.36 vendors) also rotates queries and keys, and values, by a Hadamard matrix before a quantized
-cache stores them (head_dim a multiple of 64; ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): every record says which.  Flash attention is on for every row
-(llama.cpp needs it for a quantized V cache), so rows differ only in the cache type.  Bytes are computed from
-ggml's block layouts (ggml-common.h: 32 elements per block, an fp16 scale, and an fp16 minimum for the ``_1``
-types), as llama.cpp allocates them; nothing here is measured from its process memory.
+cache stores them (head_dim a multiple of 64; ``LLAMA_ATTN_ROT_DISABLE=1`` turns it off): every record says which.
+Flash attention is on for every row (llama.cpp needs it for a quantized V cache), so rows differ only in the cache
+type.  Bytes are computed from ggml's block layouts (ggml-common.h: 32 elements per block, an fp16 scale, and an
+fp16 minimum for the ``_1`` types), as llama.cpp allocates them; nothing here is measured from its process memory.
 
 This is the only module that imports ``llama_cpp``.
 """
@@ -40,8 +40,8 @@ TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q5_1":
          "q4_1": (32, 20), "q4_0": (32, 18), "iq4_nl": (32, 18)}
 FULL_PRECISION = ("f32", "f16", "bf16")
 REFERENCE = PREFIX + "f16"  # llama.cpp's default cache: the reference of its quantized rows
-INSTALL_HINT = ("llama.cpp peers need llama-cpp-python (`pip install llama-cpp-python`: builds llama.cpp from source "
-                "with cmake and a C++ compiler, a few minutes)")
+INSTALL_HINT = ("pip install -e \".[llamacpp]\" (or pip install llama-cpp-python): it builds llama.cpp from source "
+                "with cmake and a C++ compiler, a few minutes (README: llama.cpp)")
 # bench cells a llama.cpp peer cannot fill, and why
 NOT_APPLICABLE = {"window": "llama.cpp quantizes every token", "decode": "llama.cpp quantizes every token",
                   "peak_rss": "llama.cpp's memory is not split from this process's"}
