@@ -154,6 +154,16 @@ def test_llamacpp_f16_matches_transformers_and_its_quantized_caches_cost_what_th
 
 
 @needs_llamacpp
+def test_a_file_llamacpp_cannot_load_is_one_line(tmp_path, capsys):
+    from kvsqueeze.eval.llamacpp_peer import run_ppl
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(64))
+    with pytest.raises(UnsupportedCacheError, match="llama.cpp could not set up broken.gguf"):
+        run_ppl(make_peer("llamacpp:q4_0"), torch.arange(100, 132)[None], bad, 1)
+
+
+@needs_llamacpp
 def test_every_allowed_type_runs_in_llamacpp():
     # each name the peer family accepts reaches llama.cpp as a cache type it takes (the bindings lack some ids)
     from kvsqueeze.eval.llamacpp_peer import TYPES, run_ppl

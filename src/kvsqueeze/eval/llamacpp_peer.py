@@ -141,10 +141,14 @@ def _engine(path: Path, n_ctx: int, peer: LlamaCppPeer, threads: int, logits_all
     import llama_cpp
 
     kinds = {t: getattr(llama_cpp, f"GGML_TYPE_{t.upper()}", _GGML_IDS.get(t)) for t in (peer.type_k, peer.type_v)}
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, UBATCH),
-                           n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, flash_attn=True,
-                           type_k=kinds[peer.type_k], type_v=kinds[peer.type_v], logits_all=logits_all,
-                           seed=0, verbose=False)
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=min(n_ctx, UBATCH),
+                               n_threads=threads, n_threads_batch=threads, n_gpu_layers=0, flash_attn=True,
+                               type_k=kinds[peer.type_k], type_v=kinds[peer.type_v], logits_all=logits_all,
+                               seed=0, verbose=False)
+    except (ValueError, RuntimeError) as exc:  # a file llama.cpp cannot load, a context it refuses: one line
+        raise UnsupportedCacheError(f"{peer.name}: llama.cpp could not set up {path.name} with {n_ctx} tokens of "
+                                    f"context ({' '.join(str(exc).split())})") from exc
 
 
 def engine_name() -> str:
@@ -207,13 +211,17 @@ def run_ppl(peer: LlamaCppPeer, chunks: torch.Tensor, model_source: str | Path |
     llm = _engine(gguf_path(model_source), context, peer, threads)
     _check_vocab(llm, vocab)
     nll = []
-    for row in chunks.tolist():
-        llm.reset()
-        llm.eval(row)
-        nll.append(_nll(llm.scores, row))
-        if progress is not None:
-            progress.update(1)
-    llm.close()
+    try:
+        for row in chunks.tolist():
+            llm.reset()
+            llm.eval(row)
+            nll.append(_nll(llm.scores, row))
+            if progress is not None:
+                progress.update(1)
+    except RuntimeError as exc:  # llama_decode failed (llama-cpp-python raises it): one line, the bench goes on
+        raise UnsupportedCacheError(f"{peer.name}: llama.cpp failed to evaluate a chunk ({exc})") from exc
+    finally:
+        llm.close()
     total = float(sum(x.sum() for x in nll))
     count = sum(x.numel() for x in nll)
     footprint = None if layout is None else kv_bytes(peer, layout, context)
@@ -255,15 +263,19 @@ def measure_speed(peer: LlamaCppPeer, model_source: str | Path | None, vocab: in
         llm.eval(tokens)  # with logits_all off llama.cpp computes the last token's logits only
         return _argmax(llm._ctx.get_logits_ith(-1), llm.n_vocab())
 
-    t = time.perf_counter()
-    token = step(prompt)
-    prefill_s = time.perf_counter() - t
     steps = []
-    for _ in range(decode_tokens):
+    try:
         t = time.perf_counter()
-        token = step([token])
-        steps.append(time.perf_counter() - t)
-    llm.close()
+        token = step(prompt)
+        prefill_s = time.perf_counter() - t
+        for _ in range(decode_tokens):
+            t = time.perf_counter()
+            token = step([token])
+            steps.append(time.perf_counter() - t)
+    except RuntimeError as exc:
+        raise UnsupportedCacheError(f"{peer.name}: llama.cpp failed to decode ({exc})") from exc
+    finally:
+        llm.close()
     steps.sort()
     footprint = None if layout is None else kv_bytes(peer, layout, context + decode_tokens)
     return {
