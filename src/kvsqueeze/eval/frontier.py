@@ -3,12 +3,13 @@
 Nothing is measured here that the bench does not measure: the caches go through :func:`bench.run_ppl_stage`
 (window and all-quantized protocols for kvsqueeze caches, the decode protocol for transformers' caches, with
 kvsqueeze's decode column computed by the window protocol with the same prefix, which equals real decoding
-through its cache) and :func:`bench.run_engine_stage` for vLLM's and llama.cpp's (all-quantized).  This module only picks, per
-budget and protocol, the lowest perplexity among the caches whose bits per element of the quantized part (every
-scale, zero-point, centre and outlier counted, the full-precision window and sinks not) are within the budget,
-and writes the table (markdown + JSON) and the plot (:func:`report.plot_ppl_vs_bits`).  A peer that runs its own
-engine (vLLM, llama.cpp: other weights or kernels than the model kvsqueeze runs) is ranked and compared by its
-change against its engine's own unquantized cache, measured in the same run (``vllm:auto``, ``llamacpp:f16``).
+through its cache) and :func:`bench.run_engine_stage` for vLLM's and llama.cpp's (all-quantized).  This module
+only picks, per budget and protocol, the cache with the smallest perplexity change among those whose bits per
+element of the quantized part (every scale, zero-point, centre and outlier counted, the full-precision window and
+sinks not) are within the budget, and writes the table (markdown + JSON) and the plot
+(:func:`report.plot_ppl_vs_bits`).  A peer that runs its own engine (vLLM, llama.cpp: other weights or kernels
+than the model kvsqueeze runs) is ranked and compared by its change against its engine's own unquantized cache,
+measured in the same run (``vllm:auto``, ``llamacpp:f16``); every other cache by its change against ``full``.
 """
 
 from __future__ import annotations
