@@ -183,6 +183,7 @@ def test_ppl_and_speed_commands_print_llamacpp_rows(tmp_path, capsys):
     assert "protocol all-quantized" in text and "6.500 bits/element" in text and "llama.cpp" in text
     record = json.loads(out.read_text())
     assert record["kv"] == "llamacpp:q8_0-q4_0" and record["protocol"] == "all-quantized"
+    assert " = 1" in record["llama_cpp_system_info"]  # llama.cpp's own feature report
     assert main(["speed", "--kv", "llamacpp:q4_0", "--context", "64", "--decode-tokens", "4"]) == 0
     text = capsys.readouterr().out
     assert "ms/token (batch 1, llama.cpp" in text and "4.500 bits/element" in text

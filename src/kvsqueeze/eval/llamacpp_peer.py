@@ -157,6 +157,13 @@ def engine_name() -> str:
     return f"llama.cpp (llama-cpp-python {llama_cpp.__version__})"
 
 
+def system_info() -> str:
+    """The CPU features llama.cpp was built with and uses (its own report: AVX2 = 1 | AVX512_VNNI = 1 | ...)."""
+    import llama_cpp
+
+    return " ".join(llama_cpp.llama_print_system_info().decode(errors="replace").split())
+
+
 def _check_vocab(llm: Any, vocab: int | None) -> None:
     if vocab is not None and llm.n_vocab() != vocab:
         raise UnsupportedCacheError(f"llama.cpp's vocabulary of this GGUF has {llm.n_vocab()} tokens, the model "
@@ -242,6 +249,7 @@ def run_ppl(peer: LlamaCppPeer, chunks: torch.Tensor, model_source: str | Path |
         "kv_bytes_measured_on": "not measured: computed from ggml's block layouts"
                                 + ("" if footprint is None else f", {context} tokens"),
         "spec": peer.settings(), "spec_label": peer.description, "seconds": time.perf_counter() - start,
+        "llama_cpp_system_info": system_info(),
     }
 
 
@@ -286,6 +294,7 @@ def measure_speed(peer: LlamaCppPeer, model_source: str | Path | None, vocab: in
         "decode_note": "median of the greedy decode steps (one eval of one token each)",
         "bits_per_element": peer.bits_per_element() if footprint is None else footprint["bits_per_element"],
         "threads": threads, **({} if footprint is None else {"kv_bytes": footprint}),
+        "llama_cpp_system_info": system_info(),
         "peak_rss_bytes": None, "peak_rss_note": NOT_APPLICABLE["peak_rss"]}
 
 
