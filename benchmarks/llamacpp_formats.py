@@ -9,9 +9,10 @@ model (fp32), every layer, every token (the all-quantized protocol, as llama.cpp
 * ``llamacpp-<k>[-<v>]`` with ``<k>``/``<v>`` in q8_0, q4_0: ggml's blocks of 32 channels per token - q8_0: a
   scale d = max|x| / 127 and codes round(x / d); q4_0: d = m / -8, m the block's value of the largest magnitude
   (sign kept), and codes min(15, floor(x / d + 8.5)) - 8; the codes from the float d, d stored in fp16 (ggml's
-  reference quantizers, which tests/engines/test_llamacpp_peer.py checks this against bit for bit).  ``-rot`` rotates every token's K (and the
-  query, which the rotation leaves exact) and V by the 64 x 64 Hadamard matrix first, as the llama.cpp that
-  llama-cpp-python 0.3.36 vendors does for a quantized cache (``LLAMA_ATTN_ROT_DISABLE=1``: not).
+  reference quantizers, which tests/engines/test_llamacpp_peer.py checks this against bit for bit).  ``-rot``
+  rotates every token's K (and the query, which the rotation leaves exact) and V by the 64 x 64 Hadamard matrix
+  first, as the llama.cpp that llama-cpp-python 0.3.36 vendors does for a quantized cache
+  (``LLAMA_ATTN_ROT_DISABLE=1``: not).
 * any kvsqueeze cache (a preset or spec string): its own codecs through the all-quantized protocol
   (:func:`kvsqueeze.eval.protocols.all_quantized_attend`, per-channel groups quantized causally).
 

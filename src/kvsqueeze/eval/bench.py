@@ -1,6 +1,6 @@
 """The main job: perplexity, retrieval, speed and memory of kvsqueeze presets, transformers' caches and (named with
-``--kv vllm:<dtype>`` / ``llamacpp:<type>``) vLLM's and llama.cpp's, measured in one run on one model, written as report.md + results.json + PNG plots
-under bench/<timestamp>/."""
+``--kv vllm:<dtype>`` / ``llamacpp:<type>``) vLLM's and llama.cpp's, measured in one run on one model, written as
+report.md + results.json + PNG plots under bench/<timestamp>/."""
 
 from __future__ import annotations
 
