@@ -21,7 +21,6 @@ This is the only module that imports ``llama_cpp``.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from typing import Any
 
 import torch
 
-from ..cache.accounting import ByteTotals
+from ..cache.accounting import KVFootprint
 from ..errors import UnknownCacheError, UnsupportedCacheError
 from ..resolve import register_peer_family
+from .engine_records import ppl_record, speed_prompts
 
 PREFIX = "llamacpp:"
 # the cache types llama.cpp's tools accept (common/arg.cpp, kv_cache_types): (elements per block, bytes per block)
@@ -170,34 +170,17 @@ def _check_vocab(llm: Any, vocab: int | None) -> None:
                                     f"kvsqueeze tokenized with has {vocab}: not the same model")
 
 
-@dataclass(frozen=True)
-class _KVBytes(ByteTotals):
-    codes: int
-    params: int
-    full_precision: int
-    elements: int
-    quantized_elements: int
-
-
 def kv_bytes(peer: LlamaCppPeer, layout: dict[str, Any], tokens: int, batch: int = 1) -> dict[str, Any]:
     """Bytes of ``tokens`` tokens x ``batch`` sequences in llama.cpp's cache, computed from the types' blocks (a
     block's scale and minimum counted with its codes): layers x kv_heads x head_dim x tokens per side.  Every
     layer holds every token (an upper bound for sliding-window layers).  Same keys as the in-process footprint
-    records (:meth:`kvsqueeze.eval.peers.KVFootprint.as_dict`)."""
+    records (:meth:`kvsqueeze.cache.accounting.KVFootprint.as_dict`)."""
     per_side = tokens * batch * layout["num_layers"] * layout["num_kv_heads"] * layout["head_dim"]
     data = {s: round(per_side * peer.side_bits(s) / 8) for s in ("k", "v")}
     quant = {s: (peer.type_k if s == "k" else peer.type_v) not in FULL_PRECISION for s in ("k", "v")}
-    totals = _KVBytes(sum(data[s] for s in data if quant[s]), 0, sum(data[s] for s in data if not quant[s]),
-                      2 * per_side, per_side * sum(quant.values()))
-
-    def num(x: float) -> float | None:
-        return None if x != x else round(x, 6)  # JSON has no NaN
-
-    return {"codes": totals.codes, "params": totals.params, "full_precision": totals.full_precision,
-            "total": totals.total, "elements": totals.elements, "quantized_elements": totals.quantized_elements,
-            "tokens": tokens, "batch": batch, "bits_per_element": num(totals.bits_per_element),
-            "quantized_bits_per_element": num(totals.quantized_bits_per_element),
-            "bytes_per_token": num(totals.total / (tokens * batch)),
+    totals = KVFootprint(sum(data[s] for s in data if quant[s]), 0, sum(data[s] for s in data if not quant[s]),
+                         2 * per_side, per_side * sum(quant.values()), tokens, batch)
+    return {**totals.as_dict(),
             "method": "computed from ggml's block layouts (scales and minimums counted with the codes)"}
 
 
@@ -214,7 +197,7 @@ def run_ppl(peer: LlamaCppPeer, chunks: torch.Tensor, model_source: str | Path |
     as :func:`kvsqueeze.eval.ppl.run_ppl` reports it for kvsqueeze's caches; with the model's KV ``layout``
     (:func:`kvsqueeze.layout.model_kv_layout`) also the bytes of one chunk in llama.cpp's cache, computed."""
     start = time.perf_counter()
-    n_chunks, context = chunks.shape
+    context = chunks.shape[1]
     llm = _engine(gguf_path(model_source), context, peer, threads)
     _check_vocab(llm, vocab)
     nll = []
@@ -229,37 +212,19 @@ def run_ppl(peer: LlamaCppPeer, chunks: torch.Tensor, model_source: str | Path |
         raise UnsupportedCacheError(f"{peer.name}: llama.cpp failed to evaluate a chunk ({exc})") from exc
     finally:
         llm.close()
-    total = float(sum(x.sum() for x in nll))
-    count = sum(x.numel() for x in nll)
     footprint = None if layout is None else kv_bytes(peer, layout, context)
-    bits = peer.bits_per_element()
-    return {
-        "kv": peer.name, "kind": "peer", "engine": engine_name(),
-        "ppl": math.exp(total / count), "nll_mean": total / count, "tokens_scored": count,
-        "protocol": "all-quantized",
-        "protocol_note": "llama.cpp: every micro-batch's K/V copied into its cache (converted to the cache type) "
-                         "and read back from it by attention",
-        "context": context, "chunks": n_chunks, "stride": context, "prefix": 0,
-        "scored_positions": f"targets 1..{context - 1} of each chunk",
-        "ppl_per_chunk": [math.exp(float(x.mean())) for x in nll],
-        "bits_per_element": bits if footprint is None else footprint["bits_per_element"],
-        "quantized_bits_per_element": (bits if peer.quantized else None) if footprint is None
-        else footprint["quantized_bits_per_element"],
-        **({} if footprint is None else {"kv_bytes": footprint, "kv_bytes_per_token": footprint["bytes_per_token"]}),
-        "kv_bytes_measured_on": "not measured: computed from ggml's block layouts"
-                                + ("" if footprint is None else f", {context} tokens"),
-        "spec": peer.settings(), "spec_label": peer.description, "seconds": time.perf_counter() - start,
-        "llama_cpp_system_info": system_info(),
-    }
+    note = "not measured: computed from ggml's block layouts" + ("" if footprint is None else f", {context} tokens")
+    return {**ppl_record(peer, engine_name(), nll, context, footprint,
+                         "llama.cpp: every micro-batch's K/V copied into its cache (converted to the cache type) "
+                         "and read back from it by attention", note),
+            "seconds": time.perf_counter() - start, "llama_cpp_system_info": system_info()}
 
 
 def measure_speed(peer: LlamaCppPeer, model_source: str | Path | None, vocab: int, context: int,
                   decode_tokens: int, batch: int = 1, threads: int = 1, seed: int = 0,
                   layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Prefill seconds and greedy decode ms/token (median step) of a random prompt - the ids kvsqueeze's speed
-    measurement uses (:func:`kvsqueeze.eval.vllm_peer.speed_prompts`) - through llama.cpp, one sequence."""
-    from .vllm_peer import speed_prompts
-
+    measurement uses (:func:`kvsqueeze.eval.engine_records.speed_prompts`) - through llama.cpp, one sequence."""
     if batch != 1:
         raise UnsupportedCacheError(f"{peer.name}: llama.cpp peers decode one sequence (--batch 1), got --batch "
                                     f"{batch}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..cache.accounting import ByteTotals
+from ..cache.accounting import KVFootprint
 from ..resolve import register_peer, resolve_kv
 from ..spec import DEFAULT_PREFILL_CHUNK, CacheSpec, check_prefill_chunk
 from . import llamacpp_peer, vllm_peer  # noqa: F401  (register the vllm:<kv_cache_dtype> and llamacpp:<type> peers)
@@ -161,35 +161,6 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int = DEFAULT_PREF
 
 
 # ------------------------------------------------------------------------------------------------ accounting
-@dataclass(frozen=True)
-class KVFootprint(ByteTotals):
-    """Bytes held by any cache (ours or a peer's), by kind; elements are K+V elements of the stored tokens."""
-
-    codes: int
-    params: int
-    full_precision: int
-    elements: int
-    quantized_elements: int
-    tokens: int  # tokens stored per sequence (the cache's sequence length)
-    batch: int
-
-    @property
-    def bytes_per_token(self) -> float:
-        """All layers' K and V bytes per stored token of one sequence."""
-        return self.total / (self.tokens * self.batch) if self.tokens else float("nan")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"codes": self.codes, "params": self.params, "full_precision": self.full_precision,
-                "total": self.total, "elements": self.elements, "quantized_elements": self.quantized_elements,
-                "tokens": self.tokens, "batch": self.batch, "bits_per_element": _num(self.bits_per_element),
-                "quantized_bits_per_element": _num(self.quantized_bits_per_element),
-                "bytes_per_token": _num(self.bytes_per_token)}
-
-
-def _num(x: float) -> float | None:
-    return None if x != x else round(x, 6)  # JSON has no NaN
-
-
 def footprint(cache: Any) -> KVFootprint:
     """What ``cache`` stores right now, counted from its tensors."""
     tokens = int(cache.get_seq_length())  # a tensor for a static cache

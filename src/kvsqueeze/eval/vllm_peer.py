@@ -11,7 +11,6 @@ dtype (:func:`kv_bytes`), never measured.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +18,13 @@ from typing import Any
 
 import torch
 
-from ..cache.accounting import ByteTotals
+from ..cache.accounting import KVFootprint
 from ..errors import UnknownCacheError, UnsupportedCacheError
 from ..external import vllm_client
 from ..kernels.paged import FORMATS as PAGED_FORMATS
 from ..kernels.paged import PAGE_TOKENS, paged_format, pool_cell_bytes
 from ..resolve import register_peer_family
+from .engine_records import ppl_record, speed_prompts
 
 PREFIX = "vllm:"
 # vLLM 0.32's accepted kv_cache_dtype values (vllm.config.cache.CacheDType); the worker checks again against the
@@ -132,21 +132,12 @@ def check_runs_here(peers: list[VllmPeer]) -> None:
         vllm_client.check_kv_cache_dtypes(dtypes)
 
 
-@dataclass(frozen=True)
-class _KVBytes(ByteTotals):
-    codes: int
-    params: int
-    full_precision: int
-    elements: int
-    quantized_elements: int
-
-
 def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1) -> dict[str, Any] | None:
     """Bytes of ``tokens`` tokens x ``batch`` sequences in vLLM's cache, computed (not measured: vLLM's paged pool
     is preallocated in another process and filled in whole blocks): dtype bits x tokens x batch x layers x
     kv_heads x head_dim x 2 (K and V), plus the fp8 dtypes' fp32 k_scale and v_scale per layer.  Every layer
     holds every token (an upper bound for sliding-window layers).  Same keys as the in-process footprint records
-    (:meth:`kvsqueeze.eval.peers.KVFootprint.as_dict`); None for a dtype whose layout is not known here."""
+    (:meth:`kvsqueeze.cache.accounting.KVFootprint.as_dict`); None for a dtype whose layout is not known here."""
     layers = layout["num_layers"]
     elements = 2 * tokens * batch * layers * layout["num_kv_heads"] * layout["head_dim"]
     if peer.plugin_format:
@@ -159,25 +150,16 @@ def kv_bytes(peer: VllmPeer, layout: dict[str, Any], tokens: int, batch: int = 1
         packed = packed_tokens * batch * layers * layout["num_kv_heads"] * peer.cell_bytes(layout["head_dim"])
         full = 2 * (tail + sinks) * batch * layers * layout["num_kv_heads"] * layout["head_dim"] * 2
         quantized_elements = elements * packed_tokens // tokens
-        totals = _KVBytes(packed, 0, full, elements, quantized_elements)
+        totals = KVFootprint(packed, 0, full, elements, quantized_elements, tokens, batch)
     else:
         bits = peer.bits_per_element()
         if bits is None:
             return None
         data = elements * bits // 8
         params = layers * _SCALE_BYTES_PER_LAYER if peer.quantized else 0
-        totals = (_KVBytes(data, params, 0, elements, elements) if peer.quantized
-                  else _KVBytes(0, 0, data, elements, 0))
-
-    def num(x: float) -> float | None:
-        return None if x != x else round(x, 6)  # JSON has no NaN
-
-    return {"codes": totals.codes, "params": totals.params, "full_precision": totals.full_precision,
-            "total": totals.total, "elements": elements, "quantized_elements": totals.quantized_elements,
-            "tokens": tokens, "batch": batch, "bits_per_element": num(totals.bits_per_element),
-            "quantized_bits_per_element": num(totals.quantized_bits_per_element),
-            "bytes_per_token": num(totals.total / (tokens * batch)),
-            "method": "computed from the KV dtype (not measured in-process)"}
+        totals = (KVFootprint(data, params, 0, elements, elements, tokens, batch) if peer.quantized
+                  else KVFootprint(0, 0, data, elements, 0, tokens, batch))
+    return {**totals.as_dict(), "method": "computed from the KV dtype (not measured in-process)"}
 
 
 def pool_line(pool: dict[str, Any] | None) -> str:
@@ -251,41 +233,16 @@ def measure(peer: VllmPeer, chunks: torch.Tensor | None, model_source: str | Pat
     return ppl, _speed_records(peer, contexts, decode_tokens, 1, threads, res, layout)
 
 
-def speed_prompts(vocab: int, contexts: list[int], batch: int = 1, seed: int = 0) -> list[list[list[int]]]:
-    """The random prompts kvsqueeze's speed measurement uses (:func:`kvsqueeze.eval.speed.measure_speed`), one
-    batch per context."""
-    sets = []
-    for context in contexts:
-        g = torch.Generator().manual_seed(seed)
-        sets.append(torch.randint(0, vocab, (batch, context), generator=g).tolist())
-    return sets
-
-
 def _ppl_record(peer: VllmPeer, chunks: torch.Tensor, res: dict[str, Any], layout: dict[str, Any] | None,
                 seconds: float) -> dict[str, Any]:
-    nll = [torch.tensor(r, dtype=torch.float64) for r in res["nll"]]
-    total = float(sum(x.sum() for x in nll))
-    count = sum(x.numel() for x in nll)
-    n_chunks, context = chunks.shape
-    bits = peer.bits_per_element()
+    context = chunks.shape[1]
     footprint = None if layout is None else kv_bytes(peer, layout, context)
-    return {
-        "kv": peer.name, "kind": "peer", "engine": f"vllm {res['vllm_version']}",
-        "ppl": math.exp(total / count), "nll_mean": total / count, "tokens_scored": count,
-        "protocol": "all-quantized",
-        "protocol_note": "vLLM prompt_logprobs: every token's K/V written to vLLM's cache and read back from it",
-        "context": context, "chunks": n_chunks, "stride": context, "prefix": 0,
-        "scored_positions": f"targets 1..{context - 1} of each chunk",
-        "ppl_per_chunk": [math.exp(float(x.mean())) for x in nll],
-        "bits_per_element": bits if footprint is None else footprint["bits_per_element"],
-        "quantized_bits_per_element": (bits if peer.quantized else None) if footprint is None
-        else footprint["quantized_bits_per_element"],
-        **({} if footprint is None else {"kv_bytes": footprint, "kv_bytes_per_token": footprint["bytes_per_token"]}),
-        "kv_bytes_measured_on": "not measured: vLLM's paged cache is preallocated in its own process (computed "
-                                "from the KV dtype" + ("" if footprint is None else f", {context} tokens") + ")",
-        "spec": peer.settings(), "spec_label": peer.description,
-        "seconds": seconds, "vllm_seconds": res["seconds"], "vllm_pool": res.get("pool"),
-    }
+    nll = [torch.tensor(r, dtype=torch.float64) for r in res["nll"]]
+    note = ("not measured: vLLM's paged cache is preallocated in its own process (computed from the KV dtype"
+            + ("" if footprint is None else f", {context} tokens") + ")")
+    return {**ppl_record(peer, f"vllm {res['vllm_version']}", nll, context, footprint,
+                         "vLLM prompt_logprobs: every token's K/V written to vLLM's cache and read back from it", note),
+            "seconds": seconds, "vllm_seconds": res["seconds"], "vllm_pool": res.get("pool")}
 
 
 def _speed_records(peer: VllmPeer, contexts: list[int], decode_tokens: int, batch: int, threads: int,
