@@ -28,7 +28,7 @@ import re
 import time
 
 import torch
-from paged_formats import score  # a sibling script: its folder is sys.path[0] when run
+from paged_formats import score, write_rows  # a sibling script: its folder is sys.path[0] when run
 
 from kvsqueeze.eval import benchkit
 
@@ -143,14 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"format": name, "bits_per_element": bits(name, spec, head_dim), "ppl": ppl, "kl": kl,
                      "seconds": time.perf_counter() - t0})
         print(f"  {name}: ppl {ppl:.4f}, KL {kl:.5f} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| format | bits/element | ppl | vs unquantized | KL nats/token |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        change = "—" if r["format"] == "unquantized" else f"{100 * (r['ppl'] / base - 1):+.2f}%"
-        print(f"| {r['format']} | {r['bits_per_element']:.3f} | {r['ppl']:.4f} | {change} | {r['kl']:.5f} |")
-    if args.json:
-        benchkit.write_json(args.json, {"machine": benchkit.machine_block(threads), "context": args.context,
-                                        "chunks": args.chunks, "corpus": summary(corpus), "rows": rows})
+    write_rows(rows, "format | bits/element", args, threads, summary(corpus))
     return 0
 
 

@@ -108,15 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"format": fmt.name, "bits_per_element": fmt.bits_per_element(PAGE, head_dim), "ppl": ppl,
                      "kl": kl, "seconds": time.perf_counter() - t0})
 
-    print("\n| page format | bits/element (in the pool) | ppl | vs unquantized | KL nats/token |")
+    write_rows(rows, "page format | bits/element (in the pool)", args, threads, summary(corpus))
+    return 0
+
+
+def write_rows(rows: list[dict], columns: str, args: argparse.Namespace, threads: int, corpus: str) -> None:
+    """The table of ``rows`` (the first the unquantized reference) under ``columns`` (the first two headers), and
+    the JSON record where ``--json`` asks for one."""
+    base = rows[0]["ppl"]
+    print(f"\n| {columns} | ppl | vs unquantized | KL nats/token |")
     print("|---|---|---|---|---|")
     for r in rows:
         change = "—" if r["format"] == "unquantized" else f"{100 * (r['ppl'] / base - 1):+.2f}%"
         print(f"| {r['format']} | {r['bits_per_element']:.3f} | {r['ppl']:.4f} | {change} | {r['kl']:.5f} |")
     if args.json:
         benchkit.write_json(args.json, {"machine": benchkit.machine_block(threads), "context": args.context,
-                                        "chunks": args.chunks, "corpus": summary(corpus), "rows": rows})
-    return 0
+                                        "chunks": args.chunks, "corpus": corpus, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -341,8 +341,9 @@ def run_bench(args: Any, plan: BenchPlan, out_root: Path, progress: bool = True)
             raise
         corpus_missing = str(exc)  # not even the corpus Python ships: perplexity is skipped, with the reason
     model, tokenizer, threads = meta.load_for_eval(args.model, args.threads)
-    for kv in {c: resolve_kv(c) for c in plan.caches if is_engine(resolve_kv(c))}.values():
-        engine_peers.check_model(kv, args.model)  # what vLLM / llama.cpp will load, or one line now
+    for kv in map(resolve_kv, plan.caches):
+        if is_engine(kv):
+            engine_peers.check_model(kv, args.model)  # what vLLM / llama.cpp will load, or one line now
     for what, n in (("ppl context", plan.ppl_context), ("retrieval length", max(plan.lengths)),
                     ("speed context", max(plan.speed_contexts))):
         meta.check_context(model, n, what)

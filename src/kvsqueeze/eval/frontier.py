@@ -82,10 +82,11 @@ def frontier_rows(results: dict[str, Any], budgets: tuple[float, ...] = BUDGETS)
             cell = {}
             for kind, key in (("preset", "kvsqueeze"), ("peer", "peer")):
                 hit = best_at(column, budget, kinds, kind, base)
+                ref = None if hit is None else reference_of(hit[0])
                 cell[key] = None if hit is None else {
                     "kv": hit[0], "bits": bits_of(hit[1]), "ppl": hit[1]["ppl"],
-                    "delta_percent": report.own_delta(column, hit[0], base), "against": reference_of(hit[0])
-                    if reference_of(hit[0]) in column else None}
+                    "delta_percent": report.own_delta(column, hit[0], base),
+                    "against": ref if ref in column else None}
             ours, peer = cell["kvsqueeze"], cell["peer"]
             if ours is None or peer is None:
                 cell["kvsqueeze_ahead"] = None
