@@ -31,7 +31,9 @@ of new tokens over a packed history through the Triton prefill kernel, the block
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 import statistics
 import time
 from typing import NamedTuple
@@ -50,6 +52,27 @@ def build_layer(spec, k: torch.Tensor, v: torch.Tensor, new_k: torch.Tensor, new
     layer.commit()
     layer.stage(new_k, new_v)  # the step's own token stays pending: attention never commits it
     return layer
+
+
+def build_layers_in_arena(spec, data: list[tuple[torch.Tensor, ...]], chunk: int = 1024) -> list:
+    """One layer per (k, v, new_k, new_v) of ``data`` as a model's cache holds them: blocks carved from one
+    BlockArena, the prompt written ``chunk`` tokens at a time with the layers interleaved (a chunked prefill), the
+    step's own token pending."""
+    from kvsqueeze.cache.arena import BlockArena
+    from kvsqueeze.cache.layer import LayerKV
+    from kvsqueeze.spec import preset
+
+    arena = BlockArena()
+    layers = [LayerKV(preset(spec)) for _ in data]
+    for la in layers:
+        la.arena = arena
+    for t in range(0, data[0][0].shape[2], chunk):
+        for la, (k, v, _, _) in zip(layers, data):
+            la.stage(k[:, :, t:t + chunk], v[:, :, t:t + chunk])
+            la.commit()
+    for la, (_, _, nk, nv) in zip(layers, data):
+        la.stage(nk, nv)
+    return layers
 
 
 def layer_bytes(layer) -> int:
@@ -92,21 +115,41 @@ def bench_cpu(args) -> None:
             _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw)
 
 
+@contextlib.contextmanager
+def _traversal(order: str):
+    """KVSQUEEZE_CPU_ORDER set to ``order`` inside the block (the kernel reads it per call)."""
+    prev = os.environ.get("KVSQUEEZE_CPU_ORDER")
+    os.environ["KVSQUEEZE_CPU_ORDER"] = order
+    try:
+        yield
+    finally:
+        if prev is None:
+            del os.environ["KVSQUEEZE_CPU_ORDER"]
+        else:
+            os.environ["KVSQUEEZE_CPU_ORDER"] = prev
+
+
 def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
     from kvsqueeze.eval.benchkit import shuffled_rounds
 
     g = torch.Generator().manual_seed(ctx)
     layers: dict[str, list] = {p: [] for p in args.presets}
-    dense32, qs = [], []
+    dense32, qs, data = [], [], []
     for _ in range(nl):
         k = torch.randn(batch, kvh, ctx, d, generator=g) * 1.5 + 0.3
         v = torch.randn(batch, kvh, ctx, d, generator=g)
         nk, nv = torch.randn(batch, kvh, 1, d, generator=g), torch.randn(batch, kvh, 1, d, generator=g)
-        for p in args.presets:
-            layers[p].append(build_layer(p, k, v, nk, nv))
+        if args.arena:
+            data.append((k, v, nk, nv))
+        else:
+            for p in args.presets:
+                layers[p].append(build_layer(p, k, v, nk, nv))
         dense32.append((torch.cat([k, nk], 2), torch.cat([v, nv], 2)))
         qs.append(torch.randn(batch, qh, 1, d, generator=g))
         del k, v
+    if args.arena:
+        layers = {p: build_layers_in_arena(p, data) for p in args.presets}
+        del data
 
     evict = torch.empty(args.evict_mib * 2**18) if args.evict_mib else None  # float32: 4 bytes each
     if evict is not None:
@@ -127,16 +170,19 @@ def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
         return timed_layers(lambda q=q, kk=kk, vv=vv: torch.nn.functional.scaled_dot_product_attention(
             q, kk, vv, scale=scale, enable_gqa=qh != kvh) for q, (kk, vv) in zip(qs, dense))
 
-    def ours(ls, isa, qs=qs):
-        with cpu.use_isa(isa):
+    def ours(ls, isa, order, qs=qs):
+        with cpu.use_isa(isa), _traversal(order):
             return timed_layers(lambda q=q, layer=layer: cpu.attend(q, layer.plan(), None, scale)
                                 for q, layer in zip(qs, ls))
 
-    methods = {(f"kvsqueeze {p}", isa): (lambda ls=layers[p], isa=isa: ours(ls, isa)) for isa in isas
-               for p in args.presets}
+    def label(p, order):  # the default traversal unmarked, as in the tables before --orders
+        return f"kvsqueeze {p}" + ("" if order == cpu.TRAVERSALS[0] else f" ({order} order)")
+
+    cases = [(p, isa, o) for isa in isas for o in args.orders for p in args.presets]
+    methods = {(label(p, o), isa): (lambda ls=layers[p], isa=isa, o=o: ours(ls, isa, o)) for p, isa, o in cases}
     methods[("SDPA fp32", "torch")] = sdpa
-    nbytes = {(f"kvsqueeze {p}", isa): sum(layer_bytes(la) for la in layers[p]) for isa in isas
-              for p in args.presets}
+    nbytes = {(label(p, o), isa): sum(layer_bytes(la) for la in layers[p]) for p, isa, o in cases}
+    full_of = {(label(p, o), isa): (label("full", o), isa) for p, isa, o in cases}  # "vs full": the same order
     nbytes[("SDPA fp32", "torch")] = sum(kk.numel() * 8 for kk, _ in dense32)
     times: dict[tuple, list[float]] = {m: [] for m in methods}
     for fn in methods.values():
@@ -150,7 +196,7 @@ def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
     base = statistics.median(times[("SDPA fp32", "torch")])
     for (name, path), ts in times.items():
         med = statistics.median(ts)
-        full = times.get(("kvsqueeze full", path))
+        full = times.get(full_of.get((name, path)))
         vs_full = f"{statistics.median(full) / med:.2f}x" if full else "-"
         gbs = nbytes[(name, path)] / med / 1e9
         print(f"| {batch} | {ctx} | {name} | {path} | {med * 1e3:.2f} | {nbytes[(name, path)] / 1e6:.1f} | {gbs:.1f} | "
@@ -451,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefill-reference", dest="prefill_reference", action="store_false",
                    help="GPU prefill: leave out the block-by-block torch reference (slow and large at long chunks)")
     p.add_argument("--skip-cpu", action="store_true")
+    p.add_argument("--arena", action="store_true",
+                   help="CPU: blocks carved from one arena, the prompt written 1024 tokens at a time with the layers "
+                        "interleaved (a model's cache; default: each layer's blocks allocated one by one)")
+    p.add_argument("--orders", nargs="+", default=["chunks"], choices=("chunks", "heads"),
+                   help="CPU: the decode kernel's traversal orders to time (KVSQUEEZE_CPU_ORDER), rows for each")
     p.add_argument("--evict-mib", type=int, default=0,
                    help="CPU: read this many MiB before every layer's call (untimed): K/V from memory, as in a model")
     args = p.parse_args(argv)

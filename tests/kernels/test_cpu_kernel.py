@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvsqueeze.adapter import QuantizedCache, cache_kwargs, resolve_backend
+from kvsqueeze.errors import KvsqueezeError
 from kvsqueeze.kernels import cpu, reference
 
 from ._helpers import (
@@ -208,3 +209,27 @@ def test_integer_scores_add_a_small_share_of_the_quantization_error(spec, head_d
     per_token_whole_row = spec in ("int8", "int4", "int2", "k3t-v3t") and head_dim == 64  # one group of 64 per row
     if cpu.selected_isa() != "generic" and (spec.startswith("k") or per_token_whole_row):
         assert cpu.integer_scores(layer.plan())  # the case is really on the integer path
+
+
+@pytest.mark.parametrize("spec", ["full", "kivi-4", "int8", "kivi-2-sink4", "k3t-v3t32"])
+def test_traversal_orders_give_identical_outputs(spec, monkeypatch):
+    """The decode kernel walks its items chunk by chunk (every batch row and head of a block in turn) by default and
+    head by head with KVSQUEEZE_CPU_ORDER=heads: the same partials merged in the same order, so the outputs are equal
+    bit for bit, several chunks, batch rows and heads included."""
+    layer = filled_layer(spec, batch=3, kv_heads=2, stored=1400, new=1)
+    q = query_for(layer, 6, 1)
+    plan = layer.plan()
+    outs = {}
+    for order in cpu.TRAVERSALS:
+        monkeypatch.setenv("KVSQUEEZE_CPU_ORDER", order)
+        assert cpu.traversal() == order
+        outs[order] = cpu.attend(q, plan, None, 0.125)
+    assert torch.equal(outs["chunks"], outs["heads"])
+    assert_matches_reference(cpu.attend, layer, 6, 1)
+
+
+def test_unknown_traversal_order_is_refused(monkeypatch):
+    layer = filled_layer("kivi-4", batch=1, kv_heads=2, stored=300, new=1)
+    monkeypatch.setenv("KVSQUEEZE_CPU_ORDER", "rows")
+    with pytest.raises(KvsqueezeError, match="KVSQUEEZE_CPU_ORDER='rows'.*allowed: chunks, heads"):
+        cpu.attend(query_for(layer, 6, 1), layer.plan(), None, 0.125)

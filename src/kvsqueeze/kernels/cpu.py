@@ -510,8 +510,21 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     if query.shape[2] > MAX_QUERIES:
         out = ext.attend_multi(q, kp.native(ext, q.shape[3]), Q_TILE, K_TILE)
     else:
-        out = ext.attend(q, kp.native(ext, q.shape[3]), chunk)
+        out = ext.attend(q, kp.native(ext, q.shape[3]), chunk, traversal() == "heads")
     return out.to(query.dtype)
+
+
+TRAVERSALS = ("chunks", "heads")
+
+
+def traversal() -> str:
+    """The order the decode kernel walks its work items in: ``chunks`` (every batch row and KV head of a chunk of
+    tokens before the next chunk, so each block is read as one run of memory) or ``heads`` (each head's chunks in
+    turn, the order before; the outputs are identical), from ``$KVSQUEEZE_CPU_ORDER`` (default ``chunks``)."""
+    want = os.environ.get("KVSQUEEZE_CPU_ORDER", "") or "chunks"
+    if want not in TRAVERSALS:
+        raise KvsqueezeError(f"KVSQUEEZE_CPU_ORDER={want!r} is not a traversal order; allowed: {', '.join(TRAVERSALS)}")
+    return want
 
 
 def attend_paged(query: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

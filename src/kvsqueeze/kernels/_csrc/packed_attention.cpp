@@ -74,7 +74,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<StoredRun, std::shared_ptr<StoredRun>>(m, "StoredRun", pybind11::module_local());
   m.def("read_run", &read_run, "read a plan's segments once into a StoredRun that later plans put in front");
   m.def("attend_paged", &attend_paged, "attention of every sequence of a paged pool (vLLM's KV blocks), in place");
-  m.def("attend", &attend, "decode attention over packed KV blocks");
+  m.def("attend", &attend, "decode attention over packed KV blocks", pybind11::arg("q"), pybind11::arg("plan"),
+        pybind11::arg("chunk"), pybind11::arg("by_heads") = false);
   m.def("attend_multi", &attend_multi, "multi-query (prefill) attention over packed KV blocks");
   m.def("encode_int", &encode_int, "quantize and pack tokens as the torch integer codecs do, bit for bit");
 }
