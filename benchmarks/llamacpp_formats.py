@@ -23,7 +23,6 @@ model (fp32), every layer, every token (the all-quantized protocol, as llama.cpp
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import time
 
@@ -52,17 +51,10 @@ def ggml_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     return (codes * d.half().float()).reshape(x.shape).to(x.dtype)  # read back with the stored fp16 scale
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal n x n Hadamard matrix (Sylvester; n a power of two)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(n)
-
-
 def llamacpp_attention(name: str):
     """An attention function storing K/V as llama.cpp's format ``name`` does (see the module docstring)."""
     from kvsqueeze.adapter import sdpa_attention_forward
+    from kvsqueeze.transforms.matrices import hadamard
 
     m = _LLAMACPP.match(name)
     kind_k, kind_v, rot = m.group(1), m.group(2) or m.group(1), bool(m.group(3))
@@ -79,15 +71,14 @@ def llamacpp_attention(name: str):
     return attention
 
 
-def kvsqueeze_attention(model, spec_name: str):
+def kvsqueeze_attention(spec_name: str, head_dim: int):
     """kvsqueeze's all-quantized protocol for ``spec_name`` on every layer (the embedded model has no sliding
     layers)."""
     from kvsqueeze.eval.protocols import all_quantized_attend
     from kvsqueeze.spec import preset
 
     spec = preset(spec_name)
-    spec.check_head_dim(model.config.head_dim if getattr(model.config, "head_dim", None) else
-                        model.config.hidden_size // model.config.num_attention_heads)
+    spec.check_head_dim(head_dim)
 
     def attention(module, query, key, value, attention_mask, scaling=None, **kw):
         s = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -110,6 +101,7 @@ def bits(name: str, spec, head_dim: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     from kvsqueeze.adapter import attention_override
     from kvsqueeze.corpus import eval_chunks, resolve_corpus, summary, tokenize
+    from kvsqueeze.layout import kv_layout
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchkit.add_common_args(p, threads=None)
@@ -124,12 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("llamacpp") and not _LLAMACPP.match(name):
             p.error(f"{name!r} is not llamacpp-<q8_0|q4_0>[-<q8_0|q4_0>][-rot]")
     model, tokenizer, threads = benchkit.load(args)
-    cfg = model.config.get_text_config(decoder=True)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = kv_layout(model.config).head_dim
     attends = {}
     for name in args.formats:  # every name checked before the long passes
         attends[name] = ((llamacpp_attention(name), None) if name.startswith("llamacpp")
-                         else kvsqueeze_attention(model, name))
+                         else kvsqueeze_attention(name, head_dim))
     corpus = resolve_corpus(dataset=args.dataset)
     chunks = eval_chunks(tokenize(corpus, tokenizer), args.context, args.chunks)
     print(f"llamacpp_formats: {args.chunks} x {args.context} tokens; {summary(corpus)}", flush=True)
