@@ -31,9 +31,7 @@ of new tokens over a packed history through the Triton prefill kernel, the block
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import os
 import statistics
 import time
 from typing import NamedTuple
@@ -115,20 +113,6 @@ def bench_cpu(args) -> None:
             _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw)
 
 
-@contextlib.contextmanager
-def _traversal(order: str):
-    """KVSQUEEZE_CPU_ORDER set to ``order`` inside the block (the kernel reads it per call)."""
-    prev = os.environ.get("KVSQUEEZE_CPU_ORDER")
-    os.environ["KVSQUEEZE_CPU_ORDER"] = order
-    try:
-        yield
-    finally:
-        if prev is None:
-            del os.environ["KVSQUEEZE_CPU_ORDER"]
-        else:
-            os.environ["KVSQUEEZE_CPU_ORDER"] = prev
-
-
 def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
     from kvsqueeze.eval.benchkit import shuffled_rounds
 
@@ -171,7 +155,7 @@ def _cpu_case(args, cpu, isas, batch, ctx, kvh, qh, d, nl, scale, bw) -> None:
             q, kk, vv, scale=scale, enable_gqa=qh != kvh) for q, (kk, vv) in zip(qs, dense))
 
     def ours(ls, isa, order, qs=qs):
-        with cpu.use_isa(isa), _traversal(order):
+        with cpu.use_isa(isa), cpu.use_order(order):
             return timed_layers(lambda q=q, layer=layer: cpu.attend(q, layer.plan(), None, scale)
                                 for q, layer in zip(qs, ls))
 
@@ -463,6 +447,8 @@ def bench_gpu_prefill(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvsqueeze.kernels.cpu import TRAVERSALS
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
@@ -500,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arena", action="store_true",
                    help="CPU: blocks carved from one arena, the prompt written 1024 tokens at a time with the layers "
                         "interleaved (a model's cache; default: each layer's blocks allocated one by one)")
-    p.add_argument("--orders", nargs="+", default=["chunks"], choices=("chunks", "heads"),
+    p.add_argument("--orders", nargs="+", default=[TRAVERSALS[0]], choices=TRAVERSALS,
                    help="CPU: the decode kernel's traversal orders to time (KVSQUEEZE_CPU_ORDER), rows for each")
     p.add_argument("--evict-mib", type=int, default=0,
                    help="CPU: read this many MiB before every layer's call (untimed): K/V from memory, as in a model")

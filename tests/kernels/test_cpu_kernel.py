@@ -225,6 +225,10 @@ def test_traversal_orders_give_identical_outputs(spec, monkeypatch):
         assert cpu.traversal() == order
         outs[order] = cpu.attend(q, plan, None, 0.125)
     assert torch.equal(outs["chunks"], outs["heads"])
+    with cpu.use_order("chunks"):  # over the environment (set to heads above), as use_isa
+        assert cpu.traversal() == "chunks"
+        assert torch.equal(cpu.attend(q, plan, None, 0.125), outs["chunks"])
+    assert cpu.traversal() == "heads"
     assert_matches_reference(cpu.attend, layer, 6, 1)
 
 
@@ -233,3 +237,6 @@ def test_unknown_traversal_order_is_refused(monkeypatch):
     monkeypatch.setenv("KVSQUEEZE_CPU_ORDER", "rows")
     with pytest.raises(KvsqueezeError, match="KVSQUEEZE_CPU_ORDER='rows'.*allowed: chunks, heads"):
         cpu.attend(query_for(layer, 6, 1), layer.plan(), None, 0.125)
+    with pytest.raises(KvsqueezeError, match="'rows' is not a traversal order; allowed: chunks, heads"):
+        with cpu.use_order("rows"):
+            pass

@@ -53,6 +53,7 @@ _lock = threading.Lock()
 _exts: dict[str, ModuleType | None] = {}  # one build per instruction-set path, loaded on first use
 _failed: dict[str, str] = {}
 _forced: str | None = None  # use_isa()'s choice, over KVSQUEEZE_CPU_ISA
+_forced_order: str | None = None  # use_order()'s choice, over KVSQUEEZE_CPU_ORDER
 
 
 def _cpu_flags() -> str:
@@ -520,11 +521,25 @@ TRAVERSALS = ("chunks", "heads")
 def traversal() -> str:
     """The order the decode kernel walks its work items in: ``chunks`` (every batch row and KV head of a chunk of
     tokens before the next chunk, so each block is read as one run of memory) or ``heads`` (each head's chunks in
-    turn, the order before; the outputs are identical), from ``$KVSQUEEZE_CPU_ORDER`` (default ``chunks``)."""
-    want = os.environ.get("KVSQUEEZE_CPU_ORDER", "") or "chunks"
+    turn, the order before; the outputs are identical): :func:`use_order`'s, else ``$KVSQUEEZE_CPU_ORDER`` (default
+    ``chunks``)."""
+    want = _forced_order or os.environ.get("KVSQUEEZE_CPU_ORDER", "") or "chunks"
     if want not in TRAVERSALS:
         raise KvsqueezeError(f"KVSQUEEZE_CPU_ORDER={want!r} is not a traversal order; allowed: {', '.join(TRAVERSALS)}")
     return want
+
+
+@contextlib.contextmanager
+def use_order(order: str):
+    """Force the decode kernel's traversal order inside the block (benchmarks compare the orders in one process)."""
+    if order not in TRAVERSALS:
+        raise KvsqueezeError(f"{order!r} is not a traversal order; allowed: {', '.join(TRAVERSALS)}")
+    global _forced_order
+    prev, _forced_order = _forced_order, order
+    try:
+        yield
+    finally:
+        _forced_order = prev
 
 
 def attend_paged(query: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
