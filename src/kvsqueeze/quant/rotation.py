@@ -9,20 +9,17 @@ large channels of real keys, so every rotated coordinate is a balanced mixture o
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import Tensor
 
+from ..transforms.matrices import hadamard
+
 
 def sylvester_hadamard(d: int) -> Tensor:
-    """Normalised Sylvester Hadamard matrix [d, d] (symmetric, orthogonal); ``d`` must be a power of two."""
-    if not isinstance(d, int) or d < 1 or d & (d - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {d!r}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / math.sqrt(d)
+    """Normalised Sylvester Hadamard matrix [d, d] in float64 (symmetric, orthogonal); ``d`` must be a power of
+    two."""
+    return hadamard(d, torch.float64)
 
 
 def random_signs(d: int, seed: int) -> Tensor:

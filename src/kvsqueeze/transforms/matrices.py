@@ -24,11 +24,12 @@ import math
 import torch
 
 
-def hadamard(d: int) -> torch.Tensor:
-    """Normalised Sylvester Hadamard matrix [d, d] (orthogonal, symmetric); d must be a power of two."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"a Hadamard transform needs a power-of-two head_dim, got {d}")
-    h = torch.ones(1, 1)
+def hadamard(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normalised Sylvester Hadamard matrix [d, d] in ``dtype`` (orthogonal, symmetric); d must be a power of two.
+    The project's one builder: the learned transforms' base and quant.rotation's fixed rotation (float64) use it."""
+    if not isinstance(d, int) or d < 1 or d & (d - 1):
+        raise ValueError(f"a Hadamard matrix needs a power-of-two head_dim, got {d!r}")
+    h = torch.ones(1, 1, dtype=dtype)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return h / math.sqrt(d)
