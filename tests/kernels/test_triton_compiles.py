@@ -3,6 +3,7 @@ Triton tests use here, runs the kernels' Python and accepts what the compiler ma
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,7 +42,8 @@ def test_the_decode_loop_cost_is_read_from_the_machine_code():
     if not _ptxas() or not _tool("cuobjdump"):
         pytest.skip("this Triton has no NVIDIA backend tools (ptxas, cuobjdump)")
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_loop_cost.py"), "--specs", "fp8-e4m3",
-                          "--configs", "32:4", "--histogram", "3", "--prefill", "64:32:4"], capture_output=True,
+                          "--configs", "32:4", "--histogram", "3", "--lines", "4", "--prefill", "64:32:4"],
+                         capture_output=True,
                          text=True, env=script_env(TRITON_INTERPRET=None), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
@@ -53,6 +55,13 @@ def test_the_decode_loop_cost_is_read_from_the_machine_code():
     # the histogram: three opcodes whose counts are part of the loop's
     counts = [int(part.rsplit(" ", 1)[1]) for part in lines[i + 1].strip().split(", ")]
     assert len(counts) == 3 and 0 < sum(counts) <= loop, lines[i + 1]
+    # the source lines that cost the most: four, in falling order, summing to at most the loop, and among them the
+    # kernel's dot products (every format's loop multiplies on the matrix units), named by their source text
+    rows = [line.split(None, 2) for line in lines[i + 2:i + 6]]
+    per_line = [int(r[0]) for r in rows]
+    assert per_line == sorted(per_line, reverse=True) and 0 < sum(per_line) <= loop, lines[i + 2:i + 6]
+    assert all(re.fullmatch(r"[\w.]+\.py:\d+", r[1]) for r in rows), lines[i + 2:i + 6]
+    assert any("triton_common.py" in r[1] and "tl.dot(" in r[2] for r in rows), lines[i + 2:i + 6]
     # the prefill's loop over the packed segment, per token per 128 query rows
     j = next(j for j, line in enumerate(lines) if line.startswith("| fp8-e4m3 | 64 | 32 | 4 |"))
     cells = [c.strip() for c in lines[j].strip("|").split("|")]
