@@ -29,7 +29,7 @@ def test_env_json_keys(capsys, monkeypatch, tmp_path):
     assert {"built", "isa", "path", "runnable", "reason", "build_dir", "compiler", "ninja"} <= set(k)
     assert k["built"] is False and k["isa"] == cpu.selected_isa() and not built
     assert {"available", "torch_cuda", "gpu"} <= set(info["cuda"])
-    assert {"installed", "version", "usable", "interpreter", "decode_launch", "codes16",
+    assert {"installed", "version", "usable", "interpreter", "decode_launch", "codes16", "prefill_dense",
             "warning"} <= set(info["triton"])
     assert set(info["attention_path"]) == {"cpu", "cuda", "full_precision_caches"}
     assert info["corpus"]["name"] == "python-docs"  # offline, no WikiText-2 anywhere
@@ -60,3 +60,14 @@ def test_env_names_the_decode_launch_and_warns_of_triton_36_at_one_warp(capsys, 
     monkeypatch.setattr(triton_decode, "NUM_WARPS", 2)
     assert main(["env"]) == 0
     assert "miscompile" not in capsys.readouterr().out
+
+
+def test_env_names_the_prefill_route_and_a_bad_setting(capsys, monkeypatch):
+    """The prefill's dense-route switch is printed as set; a value it does not take is named, not raised."""
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "1")
+    assert main(["env"]) == 0
+    assert "prefill's dense route: 1 (KVSQUEEZE_TRITON_PREFILL_DENSE)" in capsys.readouterr().out
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "always")
+    assert main(["env"]) == 0
+    assert "prefill's dense route: invalid (KVSQUEEZE_TRITON_PREFILL_DENSE='always'; allowed: auto, 1, 0)" in \
+        capsys.readouterr().out

@@ -72,6 +72,8 @@ for _s in ("k3t-v3t8", "k3c32-v3t8-w32"):  # a head_dim the kernel is not compil
 CASES["kivi-3 gemma shape"] = Case("kivi-3", kv_heads=1, q_heads=4, head_dim=256, stored=333, steps=2)
 for _s in ("kivi-4", "kivi-2-sink4", "int8", "rot-3", "kivi-3"):
     CASES[f"{_s} prefill 20 over history"] = Case(_s, new=20, mask="padding", stored=200)
+CASES["kivi-4 prefill fully masked row"] = Case("kivi-4", new=20, stored=200, mask="dead-row")
+CASES["int4 prefill float mask"] = Case("int4", q_heads=4, new=20, stored=200, mask="float")
 for _n in (1, 3, 31, 32, 33, 127, 128, 129, 160, 161, 257, 300):
     for _s in ("kivi-2-sink4", "int4", "k3c32-v3t32-w32-s5"):
         CASES[f"{_s} {_n} stored"] = Case(_s, batch=1, kv_heads=1, q_heads=4, stored=_n, steps=min(_n, 3),
@@ -122,7 +124,9 @@ class KernelPath(NamedTuple):
     pooled: bool | None
 
 
-PATHS = [*(f"cpu-{isa}" for isa in cpu.ISAS), "triton-pool", "triton-blocks"]
+# triton-pool / triton-blocks: prefill steps on the tiled kernel; triton-dense: on the dense route (unpacked once,
+# then SDPA; triton_prefill.dense), over a pool
+PATHS = [*(f"cpu-{isa}" for isa in cpu.ISAS), "triton-pool", "triton-blocks", "triton-dense"]
 
 
 def _triton_serves(case: Case) -> bool:
@@ -133,6 +137,8 @@ def _triton_serves(case: Case) -> bool:
 def _takes(path: str, name: str) -> bool:
     if path.startswith("cpu"):
         return True
+    if path == "triton-dense":  # a prefill route: the cases of more than MAX_QUERIES new tokens
+        return _triton_serves(CASES[name]) and "prefill" in name
     # block by block is the fallback of caches without a pool: formats, prefill and eviction are enough there
     return _triton_serves(CASES[name]) and (path == "triton-pool" or any(
         k in name for k in ("gqa padding", "prefill", "sliding")))
@@ -161,10 +167,12 @@ def kernel(request, monkeypatch):
 
     require_triton_runtime()
     if TRITON_DEVICE == "cpu":  # interpreted: small tiles, so a few hundred tokens span many of them
-        for mod, names in ((triton_decode, ("CHUNK", "BLOCK_T")), (triton_prefill, ("BLOCK_M", "BLOCK_N"))):
+        for mod, names in ((triton_decode, ("CHUNK", "BLOCK_T")),
+                           (triton_prefill, ("BLOCK_M", "BLOCK_N", "UNPACK_T"))):
             for attr in names:
                 monkeypatch.setattr(mod, attr, 64 if attr == "CHUNK" else 32)
-    yield KernelPath(name, triton_decode.attend, TRITON_DEVICE, name == "triton-pool")
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "1" if name == "triton-dense" else "0")
+    yield KernelPath(name, triton_decode.attend, TRITON_DEVICE, name != "triton-blocks")
 
 
 def _layer(case: Case, path: KernelPath):

@@ -30,8 +30,8 @@ def test_every_kernel_compiles_for_sm90():
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_compile_check.py"), "--quick"],
                          capture_output=True, text=True, env=script_env(TRITON_INTERPRET=None), timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    for kernel in ("_partials_kernel", "_finish_kernel", "_prefill_segment_kernel", "_pack_token_kernel",
-                   "_pack_channel_kernel"):
+    for kernel in ("_partials_kernel", "_finish_kernel", "_prefill_segment_kernel", "_unpack_kernel",
+                   "_pack_token_kernel", "_pack_channel_kernel"):
         assert f"{kernel}: " in run.stdout and f"{kernel}: 0 compiled" not in run.stdout, run.stdout
 
 

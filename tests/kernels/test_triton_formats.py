@@ -81,10 +81,13 @@ def test_decode_serves_the_format(td, case, pooled):
     assert_matches_reference(td.attend, layer, 2, 1, padding_mask(layer, 1, [0, 11]), atol=1e-4)
 
 
+@pytest.mark.parametrize("route", ["0", "1"], ids=["tiled", "dense"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_prefill_serves_the_format(td, case):
+def test_prefill_serves_the_format(td, case, route, monkeypatch):
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", route)
     layer = _layer(case, True, new=17)
-    assert td.path(query_for(layer, 2, 17), layer.plan()) == "triton-prefill"
+    want = "triton-prefill-dense" if route == "1" else "triton-prefill"
+    assert td.path(query_for(layer, 2, 17), layer.plan()) == want
     assert_matches_reference(td.attend, layer, 2, 17, atol=1e-4)
 
 

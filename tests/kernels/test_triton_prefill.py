@@ -26,13 +26,16 @@ from ._helpers import (
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
-@pytest.fixture
-def td(monkeypatch):
+@pytest.fixture(params=["tiled", "dense"])
+def td(request, monkeypatch):
+    """The Triton attend, each prefill test run through both routes (KVSQUEEZE_TRITON_PREFILL_DENSE 0 / 1)."""
     from kvsqueeze.kernels import triton_decode, triton_prefill
 
     require_triton_runtime()
     monkeypatch.setattr(triton_prefill, "BLOCK_M", 16)
     monkeypatch.setattr(triton_prefill, "BLOCK_N", 16)
+    monkeypatch.setattr(triton_prefill, "UNPACK_T", 16)
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "1" if request.param == "dense" else "0")
     return triton_decode
 
 
@@ -99,6 +102,42 @@ def test_prefill_sliding_layer_after_eviction(td):
     assert_matches_reference(td.attend, layer, 2, new, padding_mask(layer, new, [0]))
 
 
+def test_dense_route_is_taken_where_the_history_is_short_next_to_the_queries(monkeypatch):
+    """auto: the dense route when 2 x kv heads x kv_len <= DENSE_RATIO x query heads x Lq; 0 / 1 force it; any
+    other value is refused naming the allowed ones."""
+    from kvsqueeze.kernels import triton_prefill
+
+    require_triton_runtime()
+    monkeypatch.delenv("KVSQUEEZE_TRITON_PREFILL_DENSE", raising=False)
+    layer = filled_layer("k4c16-v4t16-w16", batch=1, kv_heads=2, head_dim=32, stored=100, new=30, device=TRITON_DEVICE)
+    kv_len = layer.plan().kv_length(30)
+    assert kv_len == 130
+    # 2 x 2 x 130 = 520 rows of keys and values: dense from 520 / 4 = 130 query rows (heads x 30) on
+    assert not triton_prefill.dense(query_for(layer, 4, 30), layer.plan())  # 120 query rows
+    assert triton_prefill.dense(query_for(layer, 6, 30), layer.plan())  # 180
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "1")
+    assert triton_prefill.dense(query_for(layer, 4, 30), layer.plan())
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "0")
+    assert not triton_prefill.dense(query_for(layer, 6, 30), layer.plan())
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", "yes")
+    with pytest.raises(ValueError, match="auto, 1, 0"):
+        triton_prefill.dense(query_for(layer, 4, 30), layer.plan())
+
+
+@pytest.mark.parametrize("spec,pooled", [("k3r-v2.5r-w16", True), ("fp8-e4m3", False), ("k1c16-v8t16-w0-s3", True)])
+def test_dense_route_formats_and_stores(td, spec, pooled):
+    """Rotated codebooks (turned back from the rotated space after unpacking), fp8, 1- and 8-bit codes with sinks,
+    over a pool and over separate blocks; a sequence whose mask hides everything gives 0."""
+    new = 24
+    layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=32, stored=130, new=new, steps=2, pooled=pooled,
+                         device=TRITON_DEVICE)
+    mask = padding_mask(layer, new, [0, 7])
+    assert_matches_reference(td.attend, layer, 4, new, mask)
+    mask[1] = False
+    q = query_for(layer, 4, new)
+    assert td.attend(q, layer.plan(), mask, 0.125)[1].abs().max() == 0
+
+
 def test_small_head_dim_falls_back(td, monkeypatch):
     calls = _routed(td, monkeypatch)
     layer = filled_layer("k4c16-v4t8-w16", batch=1, kv_heads=1, head_dim=8, stored=40, new=20, device=TRITON_DEVICE)
@@ -109,10 +148,12 @@ def test_small_head_dim_falls_back(td, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("route", ["0", "1"], ids=["tiled", "dense"])
 @pytest.mark.parametrize("spec", ["kivi-4", "kivi-2-sink4", "int8"])
-def test_prefill_on_gpu(spec, monkeypatch):
+def test_prefill_on_gpu(spec, route, monkeypatch):
     from kvsqueeze.kernels import triton_decode, triton_prefill
 
+    monkeypatch.setenv("KVSQUEEZE_TRITON_PREFILL_DENSE", route)
     monkeypatch.setattr(triton_prefill, "BLOCK_M", 32)
     monkeypatch.setattr(triton_prefill, "BLOCK_N", 32)
     layer = filled_layer(spec, batch=2, kv_heads=8, head_dim=128, stored=3000, new=300, steps=2, device="cuda")

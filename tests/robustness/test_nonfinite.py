@@ -15,6 +15,7 @@ if not __import__("torch").cuda.is_available():  # before Triton is first import
 
 import dataclasses
 import importlib.util
+import unittest.mock
 
 import pytest
 import torch
@@ -238,7 +239,16 @@ def _kernels():
         from kvsqueeze.kernels import triton_decode
 
         out["triton"] = triton_decode.attend
+        out["triton-dense"] = _dense_prefill(triton_decode.attend)
     return out
+
+
+def _dense_prefill(attend):
+    """``attend`` with prefill steps on the dense route (kernels/triton_prefill.py: unpacked once, then SDPA)."""
+    def run(*args):
+        with unittest.mock.patch.dict(os.environ, {"KVSQUEEZE_TRITON_PREFILL_DENSE": "1"}):
+            return attend(*args)
+    return run
 
 
 @pytest.fixture

@@ -78,10 +78,14 @@ def _cuda() -> dict[str, Any]:
 
 
 def _triton() -> dict[str, Any]:
-    from kvsqueeze.kernels import triton_common
+    from kvsqueeze.kernels import triton_common, triton_prefill
     from kvsqueeze.kernels import triton_decode as td
 
     version = _version("triton")
+    try:
+        prefill = triton_prefill.dense_mode()
+    except ValueError as err:  # reported, not raised: env is where a user looks for what is set wrong
+        prefill = f"invalid ({err})"
     launch = td.launch_text()
     warning = None
     if version and version.startswith("3.6.") and td.NUM_WARPS == 1 and td.NUM_STAGES != 1:
@@ -90,7 +94,7 @@ def _triton() -> dict[str, Any]:
                    "addresses for 32-byte code rows; docs/gpu.md): use two warps or STAGES 1, e.g. 32:4096:2")
     return {"installed": version is not None, "version": version, "usable": td.available(),
             "interpreter": td.interpreting(), "decode_launch": launch, "codes16": triton_common.CODES16,
-            "warning": warning}
+            "prefill_dense": prefill, "warning": warning}
 
 
 def _paths(cpu_kernel: dict[str, Any], cuda: dict[str, Any], triton: dict[str, Any]) -> dict[str, str | None]:
@@ -179,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
           + ("" if not tr["installed"] else f", {'usable' if tr['usable'] else 'not usable here'}"
              f"{' (interpreter, TRITON_INTERPRET=1)' if tr['interpreter'] else ''}; decode launch "
              f"{tr['decode_launch']} (KVSQUEEZE_TRITON_DECODE), 2-/4-bit codes from their bits: "
-             f"{'on' if tr['codes16'] else 'off'} (KVSQUEEZE_TRITON_CODES16)"))
+             f"{'on' if tr['codes16'] else 'off'} (KVSQUEEZE_TRITON_CODES16), prefill's dense route: "
+             f"{tr['prefill_dense']} (KVSQUEEZE_TRITON_PREFILL_DENSE)"))
     if tr["warning"]:
         print(f"  warning: {tr['warning']}")
     p = info["attention_path"]

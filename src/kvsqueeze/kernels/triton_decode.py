@@ -390,11 +390,16 @@ def supports(plan: SegmentPlan) -> bool:
 
 
 def path(query: torch.Tensor, plan: SegmentPlan) -> str:
-    """The path :func:`attend` takes for this step, for reports: ``triton``, ``triton-prefill`` or ``reference``."""
+    """The path :func:`attend` takes for this step, for reports: ``triton``, ``triton-prefill`` (the tiled kernel),
+    ``triton-prefill-dense`` (unpacked once, then SDPA: triton_prefill.dense) or ``reference``."""
     d = query.shape[-1]
     if not available() or not supports(plan) or not dot_head_dim(d) or plan.new is None:
         return "reference"
-    return "triton-prefill" if query.shape[2] > MAX_QUERIES else "triton"  # prefill on top of a cache: query tiles
+    if query.shape[2] <= MAX_QUERIES:
+        return "triton"
+    from .triton_prefill import dense  # prefill on top of a cache
+
+    return "triton-prefill-dense" if dense(query, plan) else "triton-prefill"
 
 
 def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -403,7 +408,7 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     route = path(query, plan)
     if route == "reference":
         return reference.attend(query, plan, mask, scaling)
-    if route == "triton-prefill":
+    if route.startswith("triton-prefill"):
         from .triton_prefill import attend_prefill
 
         return attend_prefill(query, plan, mask, scaling)

@@ -13,6 +13,15 @@ Masks are read in place: a bool or additive float mask [B|1, 1, Lq, kv_len], or 
 new tokens only.  Products run on the matrix units in the query's dtype (fp16 / bf16 operands, float32
 accumulation; the stored tokens dequantized in float32 and rounded once to that dtype) or, for float32 queries,
 in float32 without TF32 (triton_common.dot).
+
+The tiled kernel unpacks every key and value tile once per ``BLOCK_M`` query rows: for a long chunk that is many
+times over (8k new tokens over 24k stored on an H200: 2.0x the time of SDPA over the same history in bf16).  So a
+step whose history is short next to its queries (``dense``: the dequantized keys and values at most
+``DENSE_RATIO`` x the query's bytes) takes the dense route instead: one launch per stored run writes each token,
+dequantized in float32 and rounded once to the query's dtype as the tiled kernel rounds it, into a transient
+[B, Hkv, kv_len, D] pair that also gets the exact segments, then PyTorch's scaled_dot_product_attention (flash
+attention on a GPU, the new tokens causal from the bottom right) attends over it; rows a bool or -inf mask hides
+entirely give 0, as in the tiled kernel.  ``KVSQUEEZE_TRITON_PREFILL_DENSE`` = auto (default) / 1 / 0 forces it.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..cache.plan import EXACT, SegmentPlan
 from .triton_common import (
@@ -28,6 +39,7 @@ from .triton_common import (
     codes16,
     device_table,
     dot_kind,
+    interpreting,
     mask_args,
     rotate_query,
     side,
@@ -43,6 +55,9 @@ if HAS_TRITON:
 
     from .triton_common import dot, load_tokens, masked_scores
 
+DENSE_MODES = ("auto", "1", "0")
+DENSE_RATIO = 4  # the dense route's transient keys and values: at most this many times the query's bytes
+UNPACK_T = 64  # tokens per program of the dense route's unpacking launch
 BLOCK_M = 128  # query rows per program (every key/value tile is unpacked once per BLOCK_M rows)
 BLOCK_N = 64  # keys per tile
 NUM_WARPS = 8  # for head_dim >= 128 (4 below)
@@ -124,9 +139,126 @@ if HAS_TRITON:
         tl.store(acc_ptr + st[:, None] * D + ch[None, :], acc, mask=r_ok[:, None])
 
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _unpack_kernel(
+        ko_ptr, vo_ptr, table_ptr, kx_ptr, ks_ptr, kz_ptr, vx_ptr, vs_ptr, vz_ptr, kt_ptr, vt_ptr,
+        kx_ss, kx_sb, kx_sh, kx_sr, kp_ss, kp_sb, kp_sh, kp_sr,
+        vx_ss, vx_sb, vx_sh, vx_sr, vp_ss, vp_sb, vp_sh, vp_sr,
+        o_sb, o_sh, o_st, first, n_tok,
+        HKV: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, PAGED: tl.constexpr, BLK: tl.constexpr,
+        W: tl.constexpr,
+        KKIND: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KSYM: tl.constexpr, KPR: tl.constexpr,
+        KNHI: tl.constexpr,
+        VKIND: tl.constexpr, VBITS: tl.constexpr, VG: tl.constexpr, VSYM: tl.constexpr, VPR: tl.constexpr,
+        VNHI: tl.constexpr,
+    ):
+        """Tokens [BT c, BT (c + 1)) of one (sequence, kv head) of a stored run (a pool from store index ``first``,
+        or one block) dequantized (load_tokens, float32) and written in the output's dtype to rows of ``ko_ptr`` /
+        ``vo_ptr`` [B, H, n_tok, D] (strides o_*; rotated sides stay in the rotated space)."""
+        bh = tl.program_id(0)
+        b = bh // HKV
+        h = bh % HKV
+        t = tl.program_id(1) * BT + tl.arange(0, BT)
+        t_ok = t < n_tok
+        ch = tl.arange(0, D)
+        out = b.to(tl.int64) * o_sb + h.to(tl.int64) * o_sh + t.to(tl.int64)[:, None] * o_st + ch[None, :]
+        k = load_tokens(kx_ptr, ks_ptr, kz_ptr, kt_ptr, t, t_ok, first, table_ptr, b, h, kx_ss, kx_sb, kx_sh, kx_sr,
+                        kp_ss, kp_sb, kp_sh, kp_sr, ch, PAGED, BLK, KPR, KKIND, KBITS, KG, KSYM, KNHI, D, W, 0)
+        tl.store(ko_ptr + out, k.to(ko_ptr.dtype.element_ty), mask=t_ok[:, None])
+        v = load_tokens(vx_ptr, vs_ptr, vz_ptr, vt_ptr, t, t_ok, first, table_ptr, b, h, vx_ss, vx_sb, vx_sh, vx_sr,
+                        vp_ss, vp_sb, vp_sh, vp_sr, ch, PAGED, BLK, VPR, VKIND, VBITS, VG, VSYM, VNHI, D, W, 0)
+        tl.store(vo_ptr + out, v.to(vo_ptr.dtype.element_ty), mask=t_ok[:, None])
+
+
+def dense_mode() -> str:
+    """``KVSQUEEZE_TRITON_PREFILL_DENSE``: auto (default), 1 (always the dense route) or 0 (always the tiled kernel);
+    ValueError naming those otherwise."""
+    mode = os.environ.get("KVSQUEEZE_TRITON_PREFILL_DENSE", "") or "auto"
+    if mode not in DENSE_MODES:
+        raise ValueError(f"KVSQUEEZE_TRITON_PREFILL_DENSE={mode!r}; allowed: {', '.join(DENSE_MODES)}")
+    return mode
+
+
+def dense(query: torch.Tensor, plan: SegmentPlan) -> bool:
+    """Whether a prefill step takes the dense route: forced by dense_mode, else when its dequantized keys and values
+    (2 x kv heads x kv_len rows) are at most DENSE_RATIO x the query's rows (heads x Lq)."""
+    mode = dense_mode()
+    if mode != "auto":
+        return mode == "1"
+    b, hq, lq, _ = query.shape
+    return 2 * plan.new.k.shape[1] * plan.kv_length(lq) <= DENSE_RATIO * hq * lq
+
+
+def _attend_dense(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float
+                  ) -> torch.Tensor:
+    """The dense route (module docstring): every visible token's key and value in the query's dtype, once, then
+    scaled_dot_product_attention."""
+    b, hq, lq, d = query.shape
+    hkv = plan.new.k.shape[1]
+    first, kv_len = plan.first_visible, plan.kv_length(lq)
+    # the query's dtype on a GPU; float32 under the interpreter, whose tiled kernel computes in float32 too (dot_kind)
+    work = torch.float32 if interpreting() else query.dtype
+    keys = torch.empty(b, hkv, kv_len, d, dtype=work, device=query.device)
+    values = torch.empty_like(keys)
+    ks, vs = side(plan.key_format), side(plan.value_format)
+    stored: list[tuple[int, int]] = []  # (first row, rows) of each stored run in keys / values
+
+    def unpack(start: int, n: int, kargs, vargs, pool=None) -> None:
+        (kt, kst, kpr), (vt, vst, vpr) = kargs, vargs
+        ko, vo = keys[:, :, start - first:], values[:, :, start - first:]
+        _unpack_kernel[(b * hkv, triton.cdiv(n, UNPACK_T))](
+            ko, vo, ko if pool is None else pool.table, *kt, *vt, device_table(ks, query.device) if ks.rotated else ko,
+            device_table(vs, query.device) if vs.rotated else ko, *kst, *vst, *ko.stride()[:3],
+            0 if pool is None else pool.first, n, HKV=hkv, D=d, BT=UNPACK_T, PAGED=pool is not None,
+            BLK=1 if pool is None else pool.block_tokens, W=table_width(d), **ks.consts("K"), KPR=kpr,
+            **vs.consts("V"), VPR=vpr, num_warps=4,
+        )
+        stored.append((start - first, n))
+
+    pool = plan.pool
+    if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
+        unpack(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True), pool)
+    for seg in plan.segments:
+        if not seg.length:
+            continue
+        if seg.kind == EXACT:
+            keys[:, :, seg.start - first:seg.start - first + seg.length] = seg.k
+            values[:, :, seg.start - first:seg.start - first + seg.length] = seg.v
+        elif pool is None:
+            unpack(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts))
+    for sd, x in ((ks, keys), (vs, values)):
+        if sd.rotated:  # stored tokens back from the rotated space (the tiled kernel rotates the query instead)
+            table = device_table(sd, query.device).to(x.dtype)
+            for at, n in stored:
+                x[:, :, at:at + n] = unrotate_rows(x[:, :, at:at + n], table)
+    if mask is None:
+        attn_mask, visible = causal_lower_right(lq, kv_len), None  # history visible, new tokens causal
+    else:
+        attn_mask = mask[..., :kv_len]
+        visible = attn_mask.any(-1) if attn_mask.dtype == torch.bool else (attn_mask > float("-inf")).any(-1)
+        if attn_mask.dtype != torch.bool:
+            attn_mask = attn_mask.to(work)
+    # one call per query head of each GQA group (heads g, g + rep, ... read kv heads 0, 1, ...): equal head counts,
+    # which every SDPA backend takes (flash and memory-efficient ones included; not all take enable_gqa)
+    rep = hq // hkv
+    q = query.to(work)
+    out = torch.empty_like(q)
+    for g in range(rep):
+        out[:, g::rep] = F.scaled_dot_product_attention(q[:, g::rep], keys, values, attn_mask=attn_mask, scale=scaling)
+    if visible is not None:  # rows that see nothing give 0, as the tiled kernel's (SDPA may give NaN)
+        out = torch.where(visible[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(query.dtype)
+
+
 def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, scaling: float
                    ) -> torch.Tensor:
-    """Attention of ``query`` [B, Hq, Lq, D] over the plan (stored segments plus the step's new tokens)."""
+    """Attention of ``query`` [B, Hq, Lq, D] over the plan (stored segments plus the step's new tokens): the dense
+    route where :func:`dense` says so, else the tiled kernel."""
+    plan.check_mask(mask, query.shape[2])
+    if dense(query, plan):
+        return _attend_dense(query, plan, mask, scaling)
     b, hq, lq, d = query.shape
     hkv = plan.new.k.shape[1]
     rep = hq // hkv
@@ -134,7 +266,6 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
     dev = query.device
     q = (query.float() * scaling).reshape(b, hkv, r, d).contiguous()
     first = plan.first_visible
-    plan.check_mask(mask, lq)
     m_state = torch.full((b * hkv, r), float("-inf"), device=dev)
     l_state = torch.zeros(b * hkv, r, device=dev)
     acc = torch.zeros(b * hkv, r, d, device=dev)
