@@ -23,7 +23,8 @@ kernels/triton_decode.py), a row each; the default is the module's own.  ``--gpu
 method with 2- and 4-bit codes made from their bits (triton_common.codes16) and converted, a row each.
 Then a GPU prefill section (``--prefill-tokens``, 0 skips; ``--prefill-contexts``, default the decode's): a chunk
 of new tokens over a packed history through the Triton prefill kernel, the block-by-block torch reference
-(``--no-prefill-reference`` leaves it out) and bf16 SDPA over the history unpacked (no mask: a lower bound).
+(``--no-prefill-reference`` leaves it out) and bf16 SDPA over the history unpacked (no mask: a lower bound);
+``--prefill-routes tiled dense`` times the Triton prefill's two routes (kernels/triton_prefill.py) a row each.
 
     PYTHONPATH=src python benchmarks/attention_micro.py --threads 2 --layers 4 --contexts 4096 8192 16384 32768 65536
 """
@@ -31,7 +32,9 @@ of new tokens over a packed history through the Triton prefill kernel, the block
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 import statistics
 import time
 from typing import NamedTuple
@@ -405,6 +408,20 @@ def _device_ms(fn, reps: int, dev: torch.device) -> float:
     return statistics.median(ts)
 
 
+@contextlib.contextmanager
+def _prefill_route(route: str):
+    """KVSQUEEZE_TRITON_PREFILL_DENSE for one row: auto (the module's rule), tiled (0) or dense (1)."""
+    saved = os.environ.get("KVSQUEEZE_TRITON_PREFILL_DENSE")
+    os.environ["KVSQUEEZE_TRITON_PREFILL_DENSE"] = {"auto": "auto", "tiled": "0", "dense": "1"}[route]
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["KVSQUEEZE_TRITON_PREFILL_DENSE"]
+        else:
+            os.environ["KVSQUEEZE_TRITON_PREFILL_DENSE"] = saved
+
+
 def bench_gpu_prefill(args) -> None:
     """A chunk of new tokens attending over a packed history (chunked prefill): the Triton prefill kernel vs the
     block-by-block torch reference and vs bf16 SDPA over dense K/V (no mask, a lower bound)."""
@@ -430,11 +447,13 @@ def bench_gpu_prefill(args) -> None:
         nk, nv = torch.randn(1, 8, n, 128, device=dev, dtype=dt), torch.randn(1, 8, n, 128, device=dev, dtype=dt)
         kk, vv = torch.cat([k, nk], 2), torch.cat([v, nv], 2)
         res = {"SDPA bf16": _device_ms(lambda q=q, kk=kk, vv=vv: _sdpa_bf16(q, kk, vv, True), args.reps, dev)}
-        for p, c16 in itertools.product(("kivi-4", "kivi-2"), _codes16_values(args)):
+        for p, c16, route in itertools.product(("kivi-4", "kivi-2"), _codes16_values(args), args.prefill_routes):
             la = build_layer(p, k, v, nk, nv)
-            res[f"triton prefill {p}{_codes16_name(args, c16)}"] = _device_ms(
-                lambda la=la, q=q, c16=c16: _with_launch(
-                    None, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), c16), args.reps, dev)
+            with _prefill_route(route):
+                label = "" if args.prefill_routes == ["auto"] else f" ({triton_decode.path(q, la.plan())})"
+                res[f"triton prefill {p}{_codes16_name(args, c16)}{label}"] = _device_ms(
+                    lambda la=la, q=q, c16=c16: _with_launch(
+                        None, lambda: triton_decode.attend(q, la.plan(), None, 128 ** -0.5), c16), args.reps, dev)
             if args.prefill_reference:
                 res[f"torch reference {p}"] = _device_ms(
                     lambda la=la, q=q: reference.attend(q, la.plan(), None, 128 ** -0.5), max(3, args.reps // 5), dev)
@@ -480,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-tokens", type=int, default=512, help="new tokens per GPU prefill step (0: skip)")
     p.add_argument("--prefill-contexts", type=int, nargs="+", default=None,
                    help="GPU prefill: history lengths (default: --gpu-contexts)")
+    p.add_argument("--prefill-routes", nargs="+", default=["auto"], choices=["auto", "tiled", "dense"],
+                   help="GPU prefill: the Triton routes to time, a row each (auto: kernels/triton_prefill.dense "
+                        "decides; tiled: the tiled kernel; dense: unpacked once, then SDPA)")
     p.add_argument("--no-prefill-reference", dest="prefill_reference", action="store_false",
                    help="GPU prefill: leave out the block-by-block torch reference (slow and large at long chunks)")
     p.add_argument("--skip-cpu", action="store_true")

@@ -99,7 +99,8 @@ echo "== attention, one layer per step"
 # shellcheck disable=SC2086
 timeout 240 python3 benchmarks/attention_micro.py --skip-cpu --gpu-contexts $CONTEXTS --reps 20 --gpu-kv-heads 8 \
   --gpu-batch 1 16 --gpu-presets $PRESETS --gpu-graphs ${CONFIGS:+--gpu-configs $CONFIGS} --gpu-codes16 "$CODES16" \
-  --prefill-tokens 8192 --prefill-contexts 24576 --no-prefill-reference 2>&1 | tee "$OUT/attention.md"
+  --prefill-tokens 8192 --prefill-contexts 24576 --prefill-routes tiled dense --no-prefill-reference 2>&1 \
+  | tee "$OUT/attention.md"
 fi
 
 if part ncu; then

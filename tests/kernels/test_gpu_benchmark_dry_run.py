@@ -21,7 +21,7 @@ def test_the_gpu_sections_run_dry_on_the_cpu():
                           "--gpu-dry-run", "--gpu-contexts", "200", "--gpu-batch", "1", "--gpu-kv-heads", "8",
                           "--gpu-presets", "kivi-4", "--gpu-configs", "32:1024:4", "16:4096:1", "--gpu-graphs",
                           "--reps", "1", "--prefill-tokens", "20", "--prefill-contexts", "200",
-                          "--no-prefill-reference"], capture_output=True, text=True,
+                          "--prefill-routes", "tiled", "dense", "--no-prefill-reference"], capture_output=True, text=True,
                          env=script_env(TRITON_INTERPRET="1"), timeout=900)
     assert run.returncode == 0, run.stdout + run.stderr
     out = run.stdout
@@ -30,4 +30,6 @@ def test_the_gpu_sections_run_dry_on_the_cpu():
         row = next(line for line in out.splitlines() if f"| fused kivi-4 {cfg} |" in line)
         assert float(row.split("|")[5]) > 0, row  # checked against the reference, then timed
     assert "WRONG" not in out and "FAILED" not in out
-    assert "| 200 | triton prefill kivi-4 |" in out and "| 200 | triton prefill kivi-2 |" in out
+    for p in ("kivi-4", "kivi-2"):  # the prefill's two routes, each named by the path it took
+        assert f"| 200 | triton prefill {p} (triton-prefill) |" in out, out
+        assert f"| 200 | triton prefill {p} (triton-prefill-dense) |" in out, out
