@@ -160,8 +160,8 @@ if HAS_TRITON:
                    PAGED: tl.constexpr, BLK: tl.constexpr, PER_ROW: tl.constexpr):
         """int64 offsets of tokens ``t`` (a vector) of sequence b, head h; PER_ROW tokens share a row (the
         parameters of per-channel groups).  Token indices are never negative: taken as unsigned, division and
-        remainder by the power-of-two constants are a shift and a mask (signed ones need sign fix-ups, ~100
-        instructions per 32-token tile at one warp for the 1-byte formats)."""
+        remainder by the constant block and row sizes need no sign fix-ups (a shift and a mask for powers of two;
+        the signed ones cost ~100 instructions per 32-token tile at one warp for the 1-byte formats)."""
         if PAGED:
             u = (first + t).to(tl.uint32)
             slot = tl.load(table_ptr + (u // BLK).to(tl.int32), mask=t_ok, other=0).to(tl.int64)
