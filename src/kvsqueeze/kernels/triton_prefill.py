@@ -241,12 +241,14 @@ def _attend_dense(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | N
         if attn_mask.dtype != torch.bool:
             attn_mask = attn_mask.to(work)
     # one call per query head of each GQA group (heads g, g + rep, ... read kv heads 0, 1, ...): equal head counts,
-    # which every SDPA backend takes (flash and memory-efficient ones included; not all take enable_gqa)
+    # which every SDPA backend takes (flash and memory-efficient ones included; not all take enable_gqa), the
+    # group's heads copied together first (dense strides, whatever a backend asks of its inputs)
     rep = hq // hkv
     q = query.to(work)
     out = torch.empty_like(q)
     for g in range(rep):
-        out[:, g::rep] = F.scaled_dot_product_attention(q[:, g::rep], keys, values, attn_mask=attn_mask, scale=scaling)
+        out[:, g::rep] = F.scaled_dot_product_attention(q[:, g::rep].contiguous(), keys, values, attn_mask=attn_mask,
+                                                        scale=scaling)
     if visible is not None:  # rows that see nothing give 0, as the tiled kernel's (SDPA may give NaN)
         out = torch.where(visible[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(query.dtype)
