@@ -78,11 +78,6 @@ def loop_instructions(cubin: bytes) -> list[tuple[str, str]]:
     return [(op, src) for at, op, src in rows if span[0] <= at <= span[1]]
 
 
-def loop_opcodes(cubin: bytes) -> Counter:
-    """Opcodes of the longest loop in a kernel's SASS, counted."""
-    return Counter(op for op, _ in loop_instructions(cubin))
-
-
 def source_lines(instructions: list[tuple[str, str]], top: int) -> list[str]:
     """The ``top`` source lines with the most of the loop's instructions: count, file:line, commonest opcodes, text."""
     kernels = Path(__file__).resolve().parent.parent / "src" / "kvsqueeze" / "kernels"

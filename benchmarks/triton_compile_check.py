@@ -28,6 +28,7 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -135,9 +136,8 @@ def drive(quick: bool) -> None:
                     layer = filled_layer(sp, batch=2, kv_heads=2, head_dim=64, stored=300, pooled=pooled,
                                          dtype=dtype, new=new)
                     for route in ("0", "1") if new > 1 else ("0",):  # prefill: the tiled kernel, the dense route
-                        os.environ["KVSQUEEZE_TRITON_PREFILL_DENSE"] = route
-                        triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
-                    os.environ.pop("KVSQUEEZE_TRITON_PREFILL_DENSE")
+                        with mock.patch.dict(os.environ, {"KVSQUEEZE_TRITON_PREFILL_DENSE": route}):
+                            triton_decode.attend(query_for(layer, 8, new), layer.plan(), None, 0.125)
                     if new == 1 and pooled:  # the device's failing case (tests/kernels/test_conformance.py "int4
                         # broadcast mask batch"): 64-token blocks, one mask row for a batch of 3, read in place
                         sp64 = dataclasses.replace(sp, block_tokens=max(64, sp.flush_tokens))
