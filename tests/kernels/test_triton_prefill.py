@@ -125,9 +125,10 @@ def test_dense_route_is_taken_where_the_history_is_short_next_to_the_queries(mon
 
 
 @pytest.mark.parametrize("spec,pooled", [("k3r-v2.5r-w16", True), ("fp8-e4m3", False), ("k1c16-v8t16-w0-s3", True)])
-def test_dense_route_formats_and_stores(td, spec, pooled):
-    """Rotated codebooks (turned back from the rotated space after unpacking), fp8, 1- and 8-bit codes with sinks,
-    over a pool and over separate blocks; a sequence whose mask hides everything gives 0."""
+def test_prefill_formats_stores_and_a_row_that_sees_nothing(td, spec, pooled):
+    """Both routes: rotated codebooks (the dense one turns them back from the rotated space after unpacking), fp8,
+    1- and 8-bit codes with sinks, over a pool and over separate blocks; a sequence whose mask hides everything
+    gives 0."""
     new = 24
     layer = filled_layer(spec, batch=2, kv_heads=2, head_dim=32, stored=130, new=new, steps=2, pooled=pooled,
                          device=TRITON_DEVICE)
