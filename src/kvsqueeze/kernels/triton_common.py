@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..cache.plan import EXACT, PoolRun, SegmentPlan
 from ..quant.codebook import rotated_kernel_table, split_bits
 from ..quant.format import StorageFormat
 
@@ -556,6 +557,29 @@ def stored_args(plan, k_parts: Mapping[str, torch.Tensor], v_parts: Mapping[str,
     """side_args of both sides of a plan's stored tokens: a pool's tensors (``paged``) or one stored segment's."""
     return (side_args(plan.key_format, k_parts, paged=paged, shared=plan.key_shared),
             side_args(plan.value_format, v_parts, paged=paged, shared=plan.value_shared))
+
+
+class StoredRun(NamedTuple):
+    """A run of a plan's stored tokens one launch reads: ``n`` tokens from absolute position ``start``, each side's
+    side_args (tensors, strides, tokens per parameter row), and the pool it walks through its block table (None:
+    one stored block's own tensors)."""
+
+    start: int
+    n: int
+    k: tuple
+    v: tuple
+    pool: PoolRun | None
+
+
+def stored_runs(plan: SegmentPlan) -> list[StoredRun]:
+    """The plan's stored tokens as the kernels read them: one run over the whole pool where the store keeps one
+    (every device cache), else one run per stored block; runs of no tokens are left out."""
+    pool = plan.pool
+    if pool is not None:
+        return [StoredRun(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
+                          pool)] if pool.n_tokens else []
+    return [StoredRun(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), None)
+            for seg in plan.segments if seg.kind != EXACT and seg.length]
 
 
 def mask_args(mask: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int], int]:

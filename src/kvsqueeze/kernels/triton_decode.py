@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import math
 import os
-from typing import NamedTuple
 
 import torch
 
-from ..cache.plan import EXACT, PoolRun, SegmentPlan
+from ..cache.plan import EXACT, SegmentPlan
 from . import reference
 from .triton_common import (
     HAS_TRITON,
@@ -50,7 +49,7 @@ from .triton_common import (
     mask_args,
     rotate_query,
     side,
-    stored_args,
+    stored_runs,
     table_width,
     unrotate_rows,
 )
@@ -318,20 +317,6 @@ if HAS_TRITON:
                  mask=r_ok[:, None])
 
 
-class _Launch(NamedTuple):
-    """One partials launch: ``n`` tokens from absolute position ``start``, each side's (tensors, strides, tokens
-    per parameter row) and (kind, bits, group, symmetric), the mask kind, and the pool it walks (if paged)."""
-
-    start: int
-    n: int
-    k: tuple
-    v: tuple
-    k_side: Side
-    v_side: Side
-    mask_kind: int
-    pool: PoolRun | None = None
-
-
 def partial_buffers(bh: int, splits: int, r: int, d: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where ``_partials_kernel`` writes each split's (max, sum, weighted values) for ``r`` query rows of ``bh``
     (sequence, kv head) pairs, and ``_finish_kernel`` reads them: [bh, splits, r] twice, [bh, splits, r, d]."""
@@ -419,15 +404,8 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
     first = plan.first_visible
     ks, vs = side(plan.key_format), side(plan.value_format)
     chunk, bt = CHUNK, tile_tokens(ks, vs)  # module attributes, so tests can shrink them for the interpreter
-    pool = plan.pool
     mask_t, mst, mkind = mask_args(mask, q)
-    work: list[_Launch] = []  # the stored tokens (a pool: one launch; else one per block)
-    if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
-        work.append(_Launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True),
-                            ks, vs, mkind, pool))
-    for seg in plan.segments:
-        if seg.kind != EXACT and seg.length and pool is None:
-            work.append(_Launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, mkind))
+    work = stored_runs(plan)  # the stored tokens (a pool: one launch; else one per block)
     fold = [fold_plan(ks, vs, w.k[2], w.v[2], d, bt, w.pool.first if w.pool else 0,
                       w.pool.block_tokens if w.pool else 0) for w in work]
     chunks = [_chunk_tokens(w.n, b * hkv, chunk, unit) for w, (_, _, unit) in zip(work, fold)]
@@ -447,9 +425,9 @@ def attend(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | None, sc
             k_tab if ks.rotated else m_buf, v_tab if vs.rotated else m_buf, *kst, *vst, *mst,
             w.pool.first if paged else 0, w.n, w.start - first, part0, total, float(scaling), m_buf,
             CH=ch, R=r, RP=rp, LQ=lq, D=d, HKV=hkv, BT=bt, PAGED=paged,
-            BLK=w.pool.block_tokens if paged else 1, MASK=w.mask_kind, W=table_width(d), NDEV=False, DOT=dot,
+            BLK=w.pool.block_tokens if paged else 1, MASK=mkind, W=table_width(d), NDEV=False, DOT=dot,
             KFOLD=kf, VFOLD=vf,
-            **w.k_side.consts("K"), KPR=kpr, **w.v_side.consts("V"), VPR=vpr, **codes16(dot),
+            **ks.consts("K"), KPR=kpr, **vs.consts("V"), VPR=vpr, **codes16(dot),
             **launch_options(),
         )
         part0 += nsp

@@ -44,7 +44,7 @@ from .triton_common import (
     rotate_query,
     side,
     side_args,
-    stored_args,
+    stored_runs,
     table_width,
     unrotate_rows,
 )
@@ -187,7 +187,7 @@ def dense(query: torch.Tensor, plan: SegmentPlan) -> bool:
     mode = dense_mode()
     if mode != "auto":
         return mode == "1"
-    b, hq, lq, _ = query.shape
+    _, hq, lq, _ = query.shape
     return 2 * plan.new.k.shape[1] * plan.kv_length(lq) <= DENSE_RATIO * hq * lq
 
 
@@ -203,36 +203,28 @@ def _attend_dense(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | N
     keys = torch.empty(b, hkv, kv_len, d, dtype=work, device=query.device)
     values = torch.empty_like(keys)
     ks, vs = side(plan.key_format), side(plan.value_format)
-    stored: list[tuple[int, int]] = []  # (first row, rows) of each stored run in keys / values
 
-    def unpack(start: int, n: int, kargs, vargs, pool=None) -> None:
-        (kt, kst, kpr), (vt, vst, vpr) = kargs, vargs
-        ko, vo = keys[:, :, start - first:], values[:, :, start - first:]
-        _unpack_kernel[(b * hkv, triton.cdiv(n, UNPACK_T))](
+    runs = stored_runs(plan)  # (a pool: one launch; else one per block)
+    for run in runs:
+        (kt, kst, kpr), (vt, vst, vpr), pool = run.k, run.v, run.pool
+        ko, vo = keys[:, :, run.start - first:], values[:, :, run.start - first:]
+        _unpack_kernel[(b * hkv, triton.cdiv(run.n, UNPACK_T))](
             ko, vo, ko if pool is None else pool.table, *kt, *vt, device_table(ks, query.device) if ks.rotated else ko,
             device_table(vs, query.device) if vs.rotated else ko, *kst, *vst, *ko.stride()[:3],
-            0 if pool is None else pool.first, n, HKV=hkv, D=d, BT=UNPACK_T, PAGED=pool is not None,
+            0 if pool is None else pool.first, run.n, HKV=hkv, D=d, BT=UNPACK_T, PAGED=pool is not None,
             BLK=1 if pool is None else pool.block_tokens, W=table_width(d), **ks.consts("K"), KPR=kpr,
             **vs.consts("V"), VPR=vpr, num_warps=4,
         )
-        stored.append((start - first, n))
-
-    pool = plan.pool
-    if pool is not None and pool.n_tokens:  # every stored token in one launch, through the block table
-        unpack(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True), pool)
     for seg in plan.segments:
-        if not seg.length:
-            continue
-        if seg.kind == EXACT:
+        if seg.kind == EXACT and seg.length:
             keys[:, :, seg.start - first:seg.start - first + seg.length] = seg.k
             values[:, :, seg.start - first:seg.start - first + seg.length] = seg.v
-        elif pool is None:
-            unpack(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts))
     for sd, x in ((ks, keys), (vs, values)):
         if sd.rotated:  # stored tokens back from the rotated space (the tiled kernel rotates the query instead)
             table = device_table(sd, query.device).to(x.dtype)
-            for at, n in stored:
-                x[:, :, at:at + n] = unrotate_rows(x[:, :, at:at + n], table)
+            for run in runs:
+                at = run.start - first
+                x[:, :, at:at + run.n] = unrotate_rows(x[:, :, at:at + run.n], table)
     if mask is None:
         attn_mask, visible = causal_lower_right(lq, kv_len), None  # history visible, new tokens causal
     else:
@@ -296,14 +288,8 @@ def attend_prefill(query: torch.Tensor, plan: SegmentPlan, mask: torch.Tensor | 
 
     # the stored tokens first (the online softmax is order-free): rotated values leave the running sums in the
     # rotated space, turned back once before the exact tokens add theirs
-    pool = plan.pool
-    if pool is not None:  # every stored token in one launch, through the block table
-        launch(pool.start, pool.n_tokens, *stored_args(plan, pool.parts["k"], pool.parts["v"], True), ks, vs,
-               hist_kind, pool, stored=True)
-    for seg in plan.segments:
-        if seg.kind != EXACT and pool is None:
-            launch(seg.start, seg.length, *stored_args(plan, seg.k_parts, seg.v_parts), ks, vs, hist_kind,
-                   stored=True)
+    for run in stored_runs(plan):  # a pool: one launch through the block table; else one per block
+        launch(run.start, run.n, run.k, run.v, ks, vs, hist_kind, run.pool, stored=True)
     if vs.rotated:
         acc = unrotate_rows(acc, v_tab).contiguous()
     for seg in plan.segments:
